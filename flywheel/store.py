@@ -1,0 +1,525 @@
+"""The append-only event store, in one DuckDB file.
+
+Guarantees
+- ``event_id`` is deterministic: a hash of type, stream and the canonical JSON payload. Appending an
+  event that is already recorded is a no-op reported as ``already_recorded``; re-running a stage
+  appends nothing new. ``correlation_id`` is *not* part of the hash.
+- ``UNIQUE(stream, stream_version)`` plus ``expected_version`` give optimistic concurrency: a stale
+  expected version raises :class:`ConcurrencyError` and appends nothing.
+- Every append is one explicit transaction (DuckDB 2 auto-commits each statement of a plain batch),
+  events and projections together. Batches go in through Arrow, not row by row.
+- Projections (``streams``, ``entities``, ``lineage_edges``) are maintained on append and can be
+  rebuilt from the events alone (:meth:`EventStore.rebuild_projections`); both paths run the same
+  aggregation, and a test asserts rebuilt == incremental.
+
+Crash safety (what survives a SIGKILL)
+- Committed transactions survive: DuckDB replays its write-ahead log on the next open. An append that
+  was in flight is absent as a whole; none is half-applied.
+- If DuckDB refuses to replay the WAL, ``EventStore(path, recover_wal=True)`` (CLI:
+  ``flywheel warehouse recover``) moves the WAL aside as ``<file>.wal.unreplayed-<time>``, opens the
+  database, and warns loudly that the transactions in that file are lost from the store (the file is
+  kept for forensics).
+
+Concurrency
+- DuckDB allows one read-write process per file. A second process gets :class:`StoreLockedError`
+  naming the holder's PID. Other processes read Parquet exports (``flywheel warehouse export``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from flywheel.events import CATALOG, check_event
+
+ANY = None  # expected_version: no check
+NO_STREAM = 0  # expected_version: the stream must not exist yet
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+class ConcurrencyError(StoreError):
+    """The stream's current version is not the one the caller expected."""
+
+    def __init__(self, stream: str, expected: int, actual: int):
+        super().__init__(f"stream {stream!r} is at version {actual}, expected {expected}")
+        self.stream, self.expected, self.actual = stream, expected, actual
+
+
+class StoreLockedError(StoreError):
+    """Another process holds the warehouse file."""
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An event to append. ``causation`` lists the entity ids it was caused by."""
+
+    type: str
+    payload: dict[str, Any]
+    causation: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    event_id: str
+    stream: str
+    stream_version: int
+    type: str
+    payload: dict[str, Any]
+    causation: list[str]
+    correlation_id: str | None
+    recorded_at: Any
+    schema_version: int
+
+    @property
+    def entity_id(self) -> str:
+        return self.payload.get("entity_id") or self.stream
+
+
+@dataclass
+class AppendResult:
+    appended: int = 0
+    already_recorded: int = 0
+    first_seq: int | None = None
+    last_seq: int | None = None
+    event_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_noop(self) -> bool:
+        return self.appended == 0
+
+
+def canonical_json(payload: Any) -> str:
+    """Canonical JSON: sorted keys, no whitespace, UTF-8 kept. Raises TypeError on non-JSON values."""
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def event_id_sql(type_col: str = "type", stream_col: str = "stream", payload_col: str = "payload") -> str:
+    # 128 bits of sha256 over type, stream and canonical payload, separated by a unit separator.
+    return f"'ev_' || left(sha256({type_col} || chr(31) || {stream_col} || chr(31) || {payload_col}), 32)"
+
+
+def compute_event_id(type_: str, stream: str, payload: dict[str, Any] | str) -> str:
+    import hashlib
+
+    body = payload if isinstance(payload, str) else canonical_json(payload)
+    return "ev_" + hashlib.sha256(f"{type_}\x1f{stream}\x1f{body}".encode()).hexdigest()[:32]
+
+
+BATCH_SCHEMA = pa.schema(
+    [
+        ("stream", pa.string()),
+        ("type", pa.string()),
+        ("payload", pa.string()),  # canonical JSON text
+        ("causation", pa.list_(pa.string())),
+    ]
+)
+
+_LOCK_RE = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
+_ENTITY_SQL = "coalesce(json_extract_string(payload, '$.entity_id'), stream)"
+
+
+def _sql(name: str) -> str:
+    return resources.files("flywheel.warehouse").joinpath(name).read_text()
+
+
+def _migrations() -> list[tuple[int, str, str]]:
+    root = resources.files("flywheel.warehouse").joinpath("migrations")
+    out = []
+    for entry in sorted(root.iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".sql"):
+            out.append((int(entry.name.split("_", 1)[0]), entry.name, entry.read_text()))
+    return out
+
+
+def _split_sql(script: str) -> list[str]:
+    body = "\n".join(line for line in script.splitlines() if not line.strip().startswith("--"))
+    return [s.strip() for s in body.split(";") if s.strip()]
+
+
+class EventStore:
+    """The event store. Use as a context manager; one instance per process."""
+
+    def __init__(self, path: str | os.PathLike[str], *, read_only: bool = False, recover_wal: bool = False):
+        self.path = Path(path)
+        self.read_only = read_only
+        self.recovered_wal: Path | None = None
+        if not read_only:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.con = self._connect(recover_wal)
+        if not read_only:
+            for p in (self.path, Path(str(self.path) + ".wal")):
+                if p.exists():
+                    os.chmod(p, 0o600)
+            self._migrate()
+
+    # -- opening -----------------------------------------------------------------------------
+    def _connect(self, recover_wal: bool) -> duckdb.DuckDBPyConnection:
+        try:
+            return duckdb.connect(str(self.path), read_only=self.read_only)
+        except duckdb.IOException as e:
+            m = _LOCK_RE.search(str(e))
+            if m:
+                raise StoreLockedError(
+                    f"warehouse {self.path} is in use by process {m['pid']} ({m['exe']}). DuckDB allows one "
+                    f"writer per file: wait for that process to finish or stop it (kill {m['pid']}); to read "
+                    f"while it runs, use `flywheel warehouse export DIR` from that process and read the Parquet."
+                ) from None
+            raise
+        except duckdb.Error as e:
+            wal = Path(str(self.path) + ".wal")
+            if not (recover_wal and wal.exists()):
+                if wal.exists():
+                    raise StoreError(
+                        f"DuckDB could not open {self.path} ({e}). If it failed while replaying its write-ahead "
+                        f"log, run `flywheel warehouse recover` to set {wal.name} aside and open without it."
+                    ) from None
+                raise
+            aside = wal.with_name(f"{wal.name}.unreplayed-{time.strftime('%Y%m%dT%H%M%S')}")
+            wal.rename(aside)
+            self.recovered_wal = aside
+            import warnings
+
+            warnings.warn(
+                f"WAL of {self.path} could not be replayed ({e}); moved to {aside}. Transactions committed "
+                f"after the last checkpoint are NOT in the store; re-run the stages that produced them.",
+                stacklevel=2,
+            )
+            return duckdb.connect(str(self.path), read_only=self.read_only)
+
+    def _migrate(self) -> None:
+        con = self.con
+        con.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name VARCHAR, "
+            "applied_at TIMESTAMPTZ DEFAULT now())"
+        )
+        done = {r[0] for r in con.execute("SELECT version FROM schema_migrations").fetchall()}
+        for version, name, script in _migrations():
+            if version in done:
+                continue
+            with self.transaction():
+                for stmt in _split_sql(script):
+                    con.execute(stmt)
+                con.execute("INSERT INTO schema_migrations (version, name) VALUES (?, ?)", [version, name])
+
+    def close(self) -> None:
+        if self.con is not None:
+            self.con.close()
+            self.con = None  # type: ignore[assignment]
+
+    def __enter__(self) -> EventStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            yield self.con
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        else:
+            self.con.execute("COMMIT")
+
+    # -- appending ---------------------------------------------------------------------------
+    def append(
+        self,
+        stream: str,
+        events: NewEvent | Iterable[NewEvent],
+        *,
+        expected_version: int | None = ANY,
+        correlation_id: str | None = None,
+    ) -> AppendResult:
+        """Append events to one stream in one transaction.
+
+        ``expected_version``: ``None`` appends at the end; an int (``NO_STREAM`` = 0 for a new stream)
+        must equal the stream's current version, else :class:`ConcurrencyError`. Events already recorded
+        (same event_id) are skipped and counted as ``already_recorded``; a fully recorded append is a
+        no-op that never raises on version.
+        """
+        if isinstance(events, NewEvent):
+            events = [events]
+        events = list(events)
+        if not events:
+            return AppendResult()
+        rows = {"stream": [], "type": [], "payload": [], "causation": []}
+        for i, ev in enumerate(events):
+            check_event(ev.type, stream)
+            try:
+                body = canonical_json(ev.payload)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"event {i} ({ev.type} on {stream}): payload is not JSON-serialisable: {e}") from None
+            rows["stream"].append(stream)
+            rows["type"].append(ev.type)
+            rows["payload"].append(body)
+            rows["causation"].append([str(c) for c in ev.causation])
+        table = pa.table(rows, schema=BATCH_SCHEMA)
+        return self.append_batch(
+            table,
+            correlation_id=correlation_id,
+            expected_versions={stream: expected_version} if expected_version is not None else None,
+            validated=True,
+        )
+
+    def append_batch(
+        self,
+        table: pa.Table,
+        *,
+        correlation_id: str | None = None,
+        expected_versions: dict[str, int] | None = None,
+        validated: bool = False,
+    ) -> AppendResult:
+        """Append many events (any streams) in one transaction, through Arrow.
+
+        ``table`` has the columns of :data:`BATCH_SCHEMA`; ``payload`` must already be canonical JSON
+        (:func:`canonical_json`, or polars' ``struct.json_encode`` over sorted keys). Order within a
+        stream follows row order.
+        """
+        if table.num_rows == 0:
+            return AppendResult()
+        table = table.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA)
+        if table.column("stream").null_count or table.column("type").null_count or table.column("payload").null_count:
+            raise ValueError("append_batch: stream, type and payload must not be null")
+        batch = table.append_column("_i", pa.array(range(table.num_rows), type=pa.int64()))
+        schema_versions = pa.table(
+            {"t": list(CATALOG), "sv": [CATALOG[t].schema_version for t in CATALOG]}
+        )
+        con = self.con
+        con.register("_batch_in", batch)
+        con.register("_schema_versions", schema_versions)
+        try:
+            if not validated:
+                pairs = con.execute(
+                    "SELECT DISTINCT type, split_part(stream, ':', 1) FROM _batch_in"
+                ).fetchall()
+                for type_, prefix in pairs:
+                    check_event(type_, prefix + ":")
+            with self.transaction():
+                con.execute(
+                    f"""
+                    CREATE OR REPLACE TEMP TABLE _batch AS
+                    WITH ided AS (
+                        SELECT *, {event_id_sql()} AS event_id FROM _batch_in
+                    ), firsts AS (
+                        SELECT * FROM ided QUALIFY row_number() OVER (PARTITION BY event_id ORDER BY _i) = 1
+                    )
+                    SELECT f.* FROM firsts f ANTI JOIN events e ON e.event_id = f.event_id
+                    """
+                )
+                n_new = con.execute("SELECT count(*) FROM _batch").fetchall()[0][0]
+                result = AppendResult(appended=n_new, already_recorded=table.num_rows - n_new)
+                if n_new == 0:
+                    return result
+                if expected_versions:
+                    for stream, expected in expected_versions.items():
+                        cur = con.execute("SELECT version FROM streams WHERE stream = ?", [stream]).fetchall()
+                        actual = cur[0][0] if cur else 0
+                        if actual != expected:
+                            raise ConcurrencyError(stream, expected, actual)
+                base = con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchall()[0][0]
+                con.execute(
+                    """
+                    CREATE OR REPLACE TEMP TABLE _staged AS
+                    SELECT
+                        ? + row_number() OVER (ORDER BY b._i) AS seq,
+                        b.event_id, b.stream,
+                        coalesce(s.version, 0) + row_number() OVER (PARTITION BY b.stream ORDER BY b._i) AS stream_version,
+                        b.type, b.payload::JSON AS payload, coalesce(b.causation, []::VARCHAR[]) AS causation,
+                        ?::VARCHAR AS correlation_id, now() AS recorded_at,
+                        coalesce(v.sv, 1) AS schema_version
+                    FROM _batch b
+                    LEFT JOIN streams s ON s.stream = b.stream
+                    LEFT JOIN _schema_versions v ON v.t = b.type
+                    """,
+                    [base, correlation_id],
+                )
+                con.execute("INSERT INTO events SELECT * FROM _staged ORDER BY seq")
+                self._project(con, "_staged")
+                first, last = con.execute("SELECT min(seq), max(seq) FROM _staged").fetchall()[0]
+                result.first_seq, result.last_seq = first, last
+                if n_new <= 10_000:
+                    result.event_ids = [r[0] for r in con.execute("SELECT event_id FROM _staged ORDER BY seq").fetchall()]
+                return result
+        finally:
+            con.unregister("_batch_in")
+            con.unregister("_schema_versions")
+
+    # Projections: one aggregation used both incrementally (over the new events) and on rebuild
+    # (over all events), so the two cannot drift apart.
+    @staticmethod
+    def _project(con: duckdb.DuckDBPyConnection, source: str) -> None:
+        con.execute(
+            f"""
+            INSERT INTO streams
+            SELECT stream, max(stream_version) FROM {source} GROUP BY stream
+            ON CONFLICT (stream) DO UPDATE SET version = excluded.version
+            """
+        )
+        con.execute(
+            f"""
+            INSERT INTO entities
+            SELECT {_ENTITY_SQL} AS entity_id,
+                   split_part({_ENTITY_SQL}, ':', 1) AS kind,
+                   arg_max(stream, seq), arg_max(type, seq), min(seq), max(seq), count(*),
+                   arg_max(payload, seq)
+            FROM {source} GROUP BY ALL
+            ON CONFLICT (entity_id) DO UPDATE SET
+                stream = excluded.stream, last_type = excluded.last_type, last_seq = excluded.last_seq,
+                n_events = entities.n_events + excluded.n_events, state = excluded.state
+            """
+        )
+        con.execute(
+            f"""
+            INSERT INTO lineage_edges
+            SELECT child, parent, min(seq) FROM (
+                SELECT {_ENTITY_SQL} AS child, unnest(causation) AS parent, seq FROM {source}
+            ) WHERE parent IS NOT NULL AND parent <> child
+            GROUP BY child, parent
+            ON CONFLICT (child, parent) DO NOTHING
+            """
+        )
+
+    def rebuild_projections(self) -> dict[str, int]:
+        """Drop and recompute every projection from the events alone."""
+        with self.transaction() as con:
+            for t in ("streams", "entities", "lineage_edges"):
+                con.execute(f"DELETE FROM {t}")
+            self._project(con, "(SELECT * FROM events ORDER BY seq)")
+        return self.projection_counts()
+
+    def projection_counts(self) -> dict[str, int]:
+        return {
+            t: self.con.execute(f"SELECT count(*) FROM {t}").fetchall()[0][0]
+            for t in ("events", "streams", "entities", "lineage_edges")
+        }
+
+    # -- reading -----------------------------------------------------------------------------
+    def stream_version(self, stream: str) -> int:
+        rows = self.con.execute("SELECT version FROM streams WHERE stream = ?", [stream]).fetchall()
+        return rows[0][0] if rows else 0
+
+    def read(
+        self,
+        stream: str | None = None,
+        types: Sequence[str] | str | None = None,
+        after_seq: int | None = None,
+        limit: int | None = None,
+        correlation_id: str | None = None,
+        newest_first: bool = False,
+    ) -> list[Event]:
+        where, params = self._where(stream, types, after_seq, correlation_id)
+        sql = (
+            "SELECT seq, event_id, stream, stream_version, type, payload, causation, correlation_id, "
+            f"recorded_at, schema_version FROM events {where} ORDER BY seq {'DESC' if newest_first else ''}"
+        )
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [
+            Event(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), list(r[6]), r[7], r[8], r[9])
+            for r in self.con.execute(sql, params).fetchall()
+        ]
+
+    def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None) -> pa.Table:
+        where, params = self._where(stream, types, after_seq, correlation_id)
+        return self.con.execute(f"SELECT * FROM events {where} ORDER BY seq", params).fetch_arrow_table()
+
+    @staticmethod
+    def _where(stream, types, after_seq, correlation_id) -> tuple[str, list[Any]]:
+        clauses, params = [], []
+        if stream is not None:
+            if stream.endswith("*"):
+                clauses.append("starts_with(stream, ?)")
+                params.append(stream[:-1])
+            else:
+                clauses.append("stream = ?")
+                params.append(stream)
+        if types:
+            types = [types] if isinstance(types, str) else list(types)
+            clauses.append(f"type IN ({', '.join('?' for _ in types)})")
+            params.extend(types)
+        if after_seq is not None:
+            clauses.append("seq > ?")
+            params.append(after_seq)
+        if correlation_id is not None:
+            clauses.append("correlation_id = ?")
+            params.append(correlation_id)
+        return ("WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+    def entity(self, entity_id: str) -> dict[str, Any] | None:
+        row = self.con.execute(
+            "SELECT entity_id, kind, stream, last_type, first_seq, last_seq, n_events, state FROM entities "
+            "WHERE entity_id = ?",
+            [entity_id],
+        ).fetchall()
+        if not row:
+            return None
+        row = row[0]
+        keys = ["entity_id", "kind", "stream", "last_type", "first_seq", "last_seq", "n_events", "state"]
+        out = dict(zip(keys, row, strict=True))
+        out["state"] = json.loads(out["state"])
+        return out
+
+    def entities(self, kind: str, *, last_type: str | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT entity_id, last_type, state, first_seq, last_seq FROM entities WHERE kind = ?"
+        params: list[Any] = [kind]
+        if last_type:
+            sql += " AND last_type = ?"
+            params.append(last_type)
+        sql += " ORDER BY first_seq"
+        return [
+            {"entity_id": r[0], "last_type": r[1], "state": json.loads(r[2]), "first_seq": r[3], "last_seq": r[4]}
+            for r in self.con.execute(sql, params).fetchall()
+        ]
+
+    def counts_by_kind(self) -> dict[str, int]:
+        return dict(self.con.execute("SELECT kind, count(*) FROM entities GROUP BY kind ORDER BY kind").fetchall())
+
+    def last_seq(self) -> int:
+        return self.con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchall()[0][0]
+
+    # -- lineage -----------------------------------------------------------------------------
+    def lineage(self, entity_id: str, direction: str = "down", max_depth: int = 64) -> list[tuple[str, int]]:
+        """Ancestors (``down``: what it was made from) or descendants (``up``: what it made)."""
+        if direction not in ("down", "up"):
+            raise ValueError("direction must be 'down' or 'up'")
+        return [tuple(r) for r in self.con.execute(_sql(f"queries/lineage_{direction}.sql"), [entity_id, max_depth]).fetchall()]
+
+    def lineage_edges(self, entity_id: str, max_depth: int = 64) -> list[tuple[str, str]]:
+        return [tuple(r) for r in self.con.execute(_sql("queries/lineage_edges_down.sql"), [entity_id, max_depth]).fetchall()]
+
+    # -- export ------------------------------------------------------------------------------
+    def export(self, directory: str | os.PathLike[str]) -> dict[str, str]:
+        """Write every table as Parquet (zstd) for readers in other processes. Atomic per file."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        written = {}
+        for t in ("events", "streams", "entities", "lineage_edges"):
+            final = out / f"{t}.parquet"
+            tmp = out / f".{t}.parquet.tmp-{os.getpid()}"
+            self.con.execute(f"COPY (SELECT * FROM {t}) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)")
+            os.replace(tmp, final)
+            written[t] = str(final)
+        return written
+
+
+def open_store(cfg: Any, **kw: Any) -> EventStore:
+    """Open the configured warehouse (creating the home directory, 0700)."""
+    cfg.ensure_home()
+    return EventStore(cfg.warehouse, **kw)

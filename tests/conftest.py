@@ -1,0 +1,59 @@
+"""Shared fixtures. Every test gets its own FLYWHEEL_HOME under tmp_path; nothing touches ./.flywheel."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing is a set-up error caught elsewhere
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh flywheel home directory, exported as FLYWHEEL_HOME."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("FLYWHEEL_HOME", str(h))
+    for k in list(os.environ):
+        if k.startswith("FLYWHEEL_") and k not in ("FLYWHEEL_HOME",):
+            monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return h
+
+
+@pytest.fixture
+def cfg(home, monkeypatch, tmp_path):
+    """A loaded FlywheelConfig whose home is the per-test directory."""
+    from flywheel.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    c = load_config()
+    c.ensure_home()
+    return c
+
+
+@pytest.fixture
+def store(cfg):
+    from flywheel.store import open_store
+
+    s = open_store(cfg)
+    yield s
+    s.close()
