@@ -12,14 +12,23 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_collection_modifyitems(config, items):
+def _cuda_available() -> bool:
     try:
         import torch
 
-        has_cuda = torch.cuda.is_available()
+        return torch.cuda.is_available()
     except Exception:  # pragma: no cover - torch missing is a set-up error caught elsewhere
-        has_cuda = False
-    if has_cuda:
+        return False
+
+
+HAS_CUDA = _cuda_available()
+if not HAS_CUDA:
+    # Triton kernels run on CPU tensors through the interpreter (must be set before triton imports).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
