@@ -1,0 +1,29 @@
+"""The ``flywheel`` command line. Library code never parses the CLI; each command calls a stage
+function. Heavy modules are imported inside the commands so ``flywheel --help`` stays fast."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="flywheel",
+    help="An open data flywheel for AI agents: production failures -> evals -> RL environments -> "
+    "GRPO -> gated deployment.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Each module adds its commands with register(app). Order = order in --help.
+COMMAND_MODULES = [
+    "flywheel.cli.core",
+]
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(_name).register(app)
+
+
+def main() -> None:
+    app()

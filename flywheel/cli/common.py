@@ -1,0 +1,118 @@
+"""Shared CLI plumbing: configuration from flags, ``--json`` output, tables, clean errors.
+
+Every command takes ``--json``; with it the command prints exactly one JSON document on stdout and
+nothing else (progress goes to stderr). Known errors become one red line and a non-zero exit code,
+never a stack trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import wraps
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+out = Console()
+
+JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout (for scripts).")
+HomeOpt = typer.Option(None, "--home", help="Flywheel home directory (default $FLYWHEEL_HOME or ./.flywheel).")
+ConfigOpt = typer.Option(None, "--config", help="Path of flywheel.toml (default ./flywheel.toml).")
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code ``code``."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def load(home: str | None = None, config: str | None = None, overrides: dict[str, Any] | None = None):
+    from flywheel.config import load_config
+
+    os.umask(0o077)  # everything under the home directory is private: traces are user data
+    ov = dict(overrides or {})
+    if home:
+        ov["home"] = home
+    return load_config(config, overrides=ov)
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from flywheel.artifacts import ArtifactError
+    from flywheel.config import ConfigError
+    from flywheel.store import StoreError
+
+    return (CliError, ConfigError, StoreError, ArtifactError, FileNotFoundError, PermissionError)
+
+
+def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn known errors into one clean line and an exit code (no stack trace)."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except _known_errors() as e:
+            code = getattr(e, "code", 1) if isinstance(e, CliError) else 1
+            msg = str(e).replace("[", r"\[")
+            console.print(f"[bold red]error:[/] {msg}")
+            raise typer.Exit(code) from None
+
+    return wrapper
+
+
+def emit_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*["" if v is None else str(v) for v in r])
+    return t
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    out.print(table(title, columns, rows))
+
+
+@contextmanager
+def progress(enabled: bool = True) -> Iterator[Any]:
+    """A rich progress display on stderr (disabled under --json or when not a terminal and quiet)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    p = Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
+    with p:
+        yield p

@@ -1,0 +1,195 @@
+"""Foundation commands: init, status, events, warehouse, lineage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from flywheel.cli.common import (
+    ConfigOpt,
+    HomeOpt,
+    JsonOpt,
+    console,
+    emit_json,
+    handle_errors,
+    load,
+    out,
+    print_table,
+)
+
+warehouse_app = typer.Typer(help="The DuckDB warehouse: rebuild projections, export Parquet, recover.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("init")(init)
+    app.command("status")(status)
+    app.command("events")(events)
+    app.add_typer(warehouse_app, name="warehouse")
+    app.command("lineage")(lineage)
+
+
+@handle_errors
+def init(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) -> None:
+    """Create the home directory, the warehouse (migrations applied) and the artifact store."""
+    from flywheel.artifacts import open_artifacts
+    from flywheel.store import open_store
+
+    cfg = load(home, config)
+    with open_store(cfg) as s:
+        counts = s.projection_counts()
+    arts = open_artifacts(cfg)
+    arts.objects.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = {
+        "home": str(cfg.home),
+        "warehouse": str(cfg.warehouse),
+        "artifacts": str(cfg.artifacts_dir),
+        "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
+        "events": counts["events"],
+    }
+    if as_json:
+        emit_json(info)
+    else:
+        print_table("flywheel initialised", ["what", "where"], [(k, v) for k, v in info.items()])
+
+
+@handle_errors
+def status(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt,
+           last: int = typer.Option(10, help="How many recent events to show.")) -> None:
+    """Counts per entity type, the last events, and where everything lives."""
+    from flywheel.store import open_store
+
+    cfg = load(home, config)
+    with open_store(cfg) as s:
+        counts = s.counts_by_kind()
+        recent = s.read(limit=last, newest_first=True)
+        n_events = s.last_seq()
+    data = {
+        "home": str(cfg.home),
+        "warehouse": str(cfg.warehouse),
+        "artifacts": str(cfg.artifacts_dir),
+        "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
+        "events": n_events,
+        "entities": counts,
+        "recent_events": [
+            {"seq": e.seq, "type": e.type, "stream": e.stream, "recorded_at": str(e.recorded_at)} for e in recent
+        ],
+    }
+    if as_json:
+        emit_json(data)
+        return
+    print_table("paths", ["what", "where"], [(k, data[k]) for k in ("home", "warehouse", "artifacts", "mlflow_tracking_uri")])
+    print_table(f"entities ({n_events} events)", ["kind", "count"], sorted(counts.items()))
+    print_table("recent events", ["seq", "type", "stream", "recorded at"],
+                [(e["seq"], e["type"], e["stream"], e["recorded_at"][:19]) for e in data["recent_events"]])
+
+
+@handle_errors
+def events(
+    type_: list[str] = typer.Option(None, "--type", help="Only these event types (repeatable)."),
+    stream: str = typer.Option(None, "--stream", help="Only this stream; a trailing * matches a prefix."),
+    after: int = typer.Option(None, "--after", help="Only events with seq greater than this."),
+    limit: int = typer.Option(50, "--limit", help="At most this many events (newest last)."),
+    correlation: str = typer.Option(None, "--correlation", help="Only events of this run (correlation id)."),
+    home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt,
+) -> None:
+    """List events from the append-only store."""
+    from flywheel.store import open_store
+
+    cfg = load(home, config)
+    with open_store(cfg) as s:
+        evs = s.read(stream=stream, types=type_ or None, after_seq=after, correlation_id=correlation,
+                     limit=limit, newest_first=True)
+    evs.reverse()
+    if as_json:
+        emit_json([
+            {"seq": e.seq, "event_id": e.event_id, "stream": e.stream, "stream_version": e.stream_version,
+             "type": e.type, "payload": e.payload, "causation": e.causation, "correlation_id": e.correlation_id,
+             "recorded_at": str(e.recorded_at), "schema_version": e.schema_version}
+            for e in evs
+        ])
+        return
+    print_table(f"{len(evs)} events", ["seq", "type", "stream", "v", "causation", "payload"],
+                [(e.seq, e.type, e.stream, e.stream_version, ", ".join(e.causation[:3]) + (" …" if len(e.causation) > 3 else ""),
+                  json.dumps(e.payload)[:80]) for e in evs])
+
+
+@warehouse_app.command("rebuild")
+@handle_errors
+def warehouse_rebuild(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) -> None:
+    """Drop every projection and rebuild it from the events alone."""
+    from flywheel.store import open_store
+
+    cfg = load(home, config)
+    with open_store(cfg) as s:
+        counts = s.rebuild_projections()
+    if as_json:
+        emit_json({"rebuilt": counts})
+    else:
+        print_table("projections rebuilt from events", ["table", "rows"], sorted(counts.items()))
+
+
+@warehouse_app.command("export")
+@handle_errors
+def warehouse_export(directory: Path = typer.Argument(..., help="Directory for the Parquet files."),
+                     home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) -> None:
+    """Export events and projections as Parquet, for readers in other processes."""
+    from flywheel.store import open_store
+
+    cfg = load(home, config)
+    with open_store(cfg) as s:
+        written = s.export(directory)
+    if as_json:
+        emit_json({"exported": written})
+    else:
+        print_table(f"exported to {directory}", ["table", "file"], sorted(written.items()))
+
+
+@warehouse_app.command("recover")
+@handle_errors
+def warehouse_recover(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) -> None:
+    """Open a warehouse whose write-ahead log DuckDB refuses to replay: the WAL is set aside, loudly."""
+    from flywheel.store import EventStore
+
+    cfg = load(home, config)
+    cfg.ensure_home()
+    with EventStore(cfg.warehouse, recover_wal=True) as s:
+        aside = s.recovered_wal
+        n = s.last_seq()
+    data = {"warehouse": str(cfg.warehouse), "wal_set_aside": str(aside) if aside else None, "events": n}
+    if as_json:
+        emit_json(data)
+    elif aside:
+        console.print(f"[bold yellow]WAL set aside as {aside}[/]: transactions after the last checkpoint are lost; "
+                      f"{n} events remain. Re-run the stages whose events are missing.")
+    else:
+        out.print(f"warehouse opened cleanly ({n} events); nothing to recover")
+
+
+@handle_errors
+def lineage(
+    entity: str = typer.Argument(..., help="Entity id, e.g. model:policy/3 or trace:abc."),
+    up: bool = typer.Option(False, "--up", help="What descends from the entity (its impact)."),
+    down: bool = typer.Option(False, "--down", help="What the entity was made from (default)."),
+    depth: int = typer.Option(64, help="Maximum depth."),
+    home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt,
+) -> None:
+    """Walk the lineage graph from an entity (recursive query in warehouse/queries)."""
+    from flywheel.store import open_store
+
+    if up and down:
+        raise typer.BadParameter("choose one of --up / --down")
+    direction = "up" if up else "down"
+    cfg = load(home, config)
+    with open_store(cfg) as s:
+        if s.entity(entity) is None:
+            from flywheel.cli.common import CliError
+
+            raise CliError(f"unknown entity {entity!r} (see `flywheel status` for what exists)")
+        rows = s.lineage(entity, direction, depth)
+    if as_json:
+        emit_json({"entity": entity, "direction": direction,
+                   "nodes": [{"entity_id": e, "depth": d} for e, d in rows]})
+    else:
+        print_table(f"lineage of {entity} ({direction})", ["depth", "entity"], [(d, e) for e, d in rows])
