@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from flywheel.train.objective import ObjectiveConfig
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown or invalid. The message names the key and the reason."""
@@ -165,6 +167,9 @@ class TrainConfig(_Section):
         0.9, ge=0.0, le=1.0, description="Run SFT first when this share of groups has zero variance."
     )
     seed: int = Field(0)
+    objective: ObjectiveConfig = Field(
+        default_factory=ObjectiveConfig, description="Loss knobs (clip range, KL, TIS, overlong); see flywheel.train.objective."
+    )
 
 
 class GateConfig(_Section):
