@@ -188,6 +188,8 @@ class GateConfig(_Section):
     require_decontaminated: bool = Field(True)
     max_new_tokens: int = Field(96, ge=1)
     seed: int = Field(0)
+    pass_k: int = Field(1, ge=1, le=64, description="Samples per item; an item passes when any passes (1 = greedy pass@1).")
+    pass_k_temperature: float = Field(0.8, gt=0.0, description="Sampling temperature when pass_k > 1.")
 
 
 class ServeConfig(_Section):

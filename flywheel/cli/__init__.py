@@ -19,6 +19,7 @@ app = typer.Typer(
 # Each module adds its commands with register(app). Order = order in --help.
 COMMAND_MODULES = [
     "flywheel.cli.core",
+    "flywheel.cli.gate",
 ]
 
 for _name in COMMAND_MODULES:

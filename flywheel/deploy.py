@@ -1,0 +1,401 @@
+"""Deployment: the MLflow alias ``champion`` is the deployed model; promotion and rollback move it.
+
+Guarantees
+- :func:`promote` moves ``champion`` only with a *passing* ``gate.decided`` for exactly this model
+  version, this held-out suite version (the latest one, unless given) and this champion (a decision
+  taken against an older champion does not count: the new challenger has not been compared with
+  the model it would replace). Otherwise it raises :class:`PromotionRefused`, unless
+  ``force=True`` with a non-empty ``reason``; a forced promotion is recorded as such (who, why,
+  and which gate decision, if any, it overrode).
+- Every move appends one event on ``deploy:<model name>``: ``model.promoted`` (causation: the gate
+  decision and the model version) or ``model.rolled_back`` (causation: the model version). Payloads
+  record who (``getpass.getuser()``), when, from -> to. The alias is moved first and the event
+  appended second; if the append fails the alias is moved back before the error propagates, so the
+  alias and the history never disagree after a failed call. Appends use ``expected_version`` on the
+  deploy stream, so two concurrent promoters cannot both record a move from the same champion.
+- :func:`rollback` without ``to`` returns to the champion that preceded the current one's latest
+  promotion; ``to`` must be a version that was promoted before (rolling back to a never-gated
+  version would bypass the gate: promote it instead).
+- :class:`ChampionWatcher` (``flywheel serve --champion``) serves whatever ``champion`` points to:
+  it polls the alias every ``[serve] poll_alias_s`` seconds (and at once on SIGHUP), loads a new
+  version in a background thread and swaps one reference; a request that already took the old
+  policy finishes on it. A version that fails to load is logged and the old one keeps serving.
+
+Not guaranteed: alias changes made outside flywheel (MLflow UI) are *served* (the watcher follows
+the alias) but not recorded in the deployment history.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import getpass
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flywheel.store import NewEvent
+
+log = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+
+
+class DeployError(RuntimeError):
+    """A deployment action could not be carried out (unknown version, nothing to roll back to)."""
+
+
+class PromotionRefused(DeployError):
+    """Promotion refused by policy (no passing gate decision); ``--force --reason`` overrides."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    action: str  # "promote" | "rollback"
+    model: str
+    from_version: int | None
+    to_version: int
+    gate: str | None
+    forced: bool
+    reason: str | None
+    user: str
+    at: str
+    seq: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def current_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no USER/LOGNAME and no passwd entry (some containers)
+        return "unknown"
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
+
+
+def deploy_stream(name: str) -> str:
+    return f"deploy:{name}"
+
+
+def latest_suite_id(store: Any, suite_name: str) -> str | None:
+    """``suite:<name>@N`` of the latest version of a suite, from its ``suite.versioned`` events."""
+    events = store.read(stream=f"suite:{suite_name}", types="suite.versioned")
+    return str(events[-1].payload["entity_id"]) if events else None
+
+
+def _check_version(tracker: Any, name: str, version: int) -> None:
+    try:
+        tracker.model_version(name, version)
+    except Exception as e:  # MLflow raises its own exception types
+        raise DeployError(f"model:{name}/{version} is not a registered model version ({e})") from None
+
+
+def find_gate_decision(
+    store: Any, name: str, version: int, *, suite_id: str | None, champion: str | None
+) -> dict[str, Any] | None:
+    """The latest ``gate.decided`` payload for this model version on ``suite_id`` against
+    ``champion`` (``model:<name>/<v>``, or ``None`` meaning "no champion": a base-model decision).
+    Passing decisions are preferred over later refusals only if no later one exists."""
+    matches = []
+    for ev in store.read(stream="gate:*", types="gate.decided"):
+        p = ev.payload
+        if p.get("model") != name or p.get("challenger_version") != version:
+            continue
+        if suite_id is not None and p.get("suite") != suite_id:
+            continue
+        champ = p.get("champion") or ""
+        if champion is None and not champ.startswith("base:"):
+            continue
+        if champion is not None and champ != champion:
+            continue
+        matches.append(p)
+    return matches[-1] if matches else None
+
+
+def _append(store: Any, tracker: Any, name: str, event: NewEvent, expected: int, restore: int | None,
+            correlation_id: str | None) -> int | None:
+    try:
+        res = store.append(deploy_stream(name), event, expected_version=expected, correlation_id=correlation_id)
+    except BaseException:
+        if restore is None:
+            tracker.delete_alias(name, CHAMPION)
+        else:
+            tracker.set_alias(name, CHAMPION, restore)
+        raise
+    return res.last_seq
+
+
+def promote(
+    cfg: Any,
+    store: Any,
+    tracker: Any,
+    model_version: int,
+    *,
+    decision: Any = None,
+    force: bool = False,
+    reason: str | None = None,
+    correlation_id: str | None = None,
+    suite: str | None = None,
+    user: str | None = None,
+) -> Deployment:
+    """Move ``champion`` to ``model_version`` (see module doc for when it is refused).
+
+    ``decision``: a :class:`flywheel.gate.GateDecision` (or its payload) to use instead of looking
+    one up; it must still be for this version, suite version and current champion.
+    """
+    name = cfg.cycle.model_name
+    version = int(model_version)
+    _check_version(tracker, name, version)
+    if force and not (reason and reason.strip()):
+        raise DeployError("--force needs --reason: a forced promotion must say why (it is recorded)")
+    stream_version = store.stream_version(deploy_stream(name))
+    current = tracker.get_alias_version(name, CHAMPION)
+    if current == version:
+        raise DeployError(f"model:{name}/{version} is already the champion")
+    suite_id = suite if suite and suite.startswith("suite:") else (
+        latest_suite_id(store, suite or cfg.cycle.heldout_suite)
+    )
+    champion_entity = f"model:{name}/{current}" if current is not None else None
+
+    if decision is not None:
+        d = decision.to_json() if hasattr(decision, "to_json") else dict(decision)
+        d.setdefault("model", name)
+        gate_id = d.get("gate_id") or d.get("entity_id")
+        problems = []
+        if d.get("challenger_version") != version:
+            problems.append(f"it is for version {d.get('challenger_version')}")
+        if suite_id is not None and d.get("suite") != suite_id:
+            problems.append(f"it was taken on {d.get('suite')}, the held-out suite is now {suite_id}")
+        champ = d.get("champion") or ""
+        if (champion_entity is None and not champ.startswith("base:")) or (
+            champion_entity is not None and champ != champion_entity
+        ):
+            problems.append(f"it compared against {champ or 'nothing'}, the champion is now {champion_entity or 'none'}")
+        if problems:
+            found = None
+            why = f"gate decision {gate_id} does not apply: " + "; ".join(problems)
+        else:
+            found = d
+            why = ""
+    else:
+        found = find_gate_decision(store, name, version, suite_id=suite_id, champion=champion_entity)
+        why = "" if found else (
+            f"no gate decision for model:{name}/{version} on {suite_id or 'any suite'} against "
+            f"{champion_entity or 'the base model'}; run `flywheel gate {version}` first"
+        )
+    gate_id = (found or {}).get("gate_id") or (found or {}).get("entity_id")
+    if found is not None and not found.get("passed"):
+        reasons = "; ".join(found.get("reasons", [])[:3])
+        why = f"gate decision {gate_id} refused model:{name}/{version}: {reasons}"
+    gate_ok = found is not None and bool(found.get("passed"))
+    if not gate_ok and not force:
+        raise PromotionRefused(why + " (or override with --force --reason '...')")
+
+    dep = Deployment(
+        action="promote", model=name, from_version=current, to_version=version, gate=gate_id,
+        forced=bool(force and not gate_ok), reason=reason if (force or reason) else None,
+        user=user or current_user(), at=_now(),
+    )
+    payload = {
+        **dep.to_json(),
+        "suite": suite_id,
+        "gate_passed": gate_ok,
+        "refusal_overridden": (why or None) if dep.forced else None,
+    }
+    payload.pop("seq")
+    causation = [c for c in (gate_id, f"model:{name}/{version}") if c]
+    tracker.set_alias(name, CHAMPION, version)
+    seq = _append(store, tracker, name, NewEvent("model.promoted", payload, causation), stream_version, current,
+                  correlation_id)
+    log.info("promoted model:%s/%s (was %s) gate=%s forced=%s", name, version, current, gate_id, dep.forced)
+    return Deployment(**{**dep.to_json(), "seq": seq})
+
+
+def deployments(store: Any, name: str) -> list[Deployment]:
+    """The deployment history of ``name``, oldest first."""
+    out = []
+    for ev in store.read(stream=deploy_stream(name), types=["model.promoted", "model.rolled_back"]):
+        p = ev.payload
+        out.append(Deployment(
+            action=p.get("action", "promote" if ev.type == "model.promoted" else "rollback"),
+            model=p.get("model", name), from_version=p.get("from_version"), to_version=int(p["to_version"]),
+            gate=p.get("gate"), forced=bool(p.get("forced")), reason=p.get("reason"),
+            user=p.get("user", "unknown"), at=p.get("at") or str(ev.recorded_at), seq=ev.seq,
+        ))
+    return out
+
+
+def rollback(
+    cfg: Any,
+    store: Any,
+    tracker: Any,
+    to: int | None = None,
+    *,
+    reason: str | None = None,
+    user: str | None = None,
+    correlation_id: str | None = None,
+) -> Deployment:
+    """Move ``champion`` back (to the previous champion, or to ``to``); appends ``model.rolled_back``."""
+    name = cfg.cycle.model_name
+    stream_version = store.stream_version(deploy_stream(name))
+    current = tracker.get_alias_version(name, CHAMPION)
+    if current is None:
+        raise DeployError(f"{name} has no champion: nothing to roll back")
+    history = deployments(store, name)
+    promoted = [d for d in history if d.action == "promote"]
+    if to is None:
+        last = next((d for d in reversed(promoted) if d.to_version == current), None)
+        if last is None or last.from_version is None:
+            raise DeployError(
+                f"model:{name}/{current} has no previous champion in the deployment history; "
+                f"pass --to VERSION"
+            )
+        target = int(last.from_version)
+    else:
+        target = int(to)
+        _check_version(tracker, name, target)
+        if not any(d.to_version == target for d in promoted):
+            raise DeployError(
+                f"model:{name}/{target} was never promoted; rolling back to it would bypass the gate "
+                f"(use `flywheel gate {target}` and `flywheel promote {target}`)"
+            )
+    if target == current:
+        raise DeployError(f"model:{name}/{target} is already the champion")
+    via = next((d.gate for d in reversed(promoted) if d.to_version == target), None)
+    dep = Deployment(
+        action="rollback", model=name, from_version=current, to_version=target, gate=via, forced=False,
+        reason=reason, user=user or current_user(), at=_now(),
+    )
+    payload = dep.to_json()
+    payload.pop("seq")
+    tracker.set_alias(name, CHAMPION, target)
+    seq = _append(store, tracker, name, NewEvent("model.rolled_back", payload, [f"model:{name}/{target}"]),
+                  stream_version, current, correlation_id)
+    log.info("rolled back %s: %s -> %s", name, current, target)
+    return Deployment(**{**dep.to_json(), "seq": seq})
+
+
+# --------------------------------------------------------------------------------------------
+# serving the champion
+
+
+class ChampionWatcher:
+    """A ``policy_provider`` for :func:`flywheel.serve.create_app` that follows the ``champion`` alias.
+
+    ``watcher()`` returns ``(model name, policy)`` of the current champion: one attribute read, so a
+    request that took a policy keeps it while a swap happens. :meth:`start` loads the current
+    champion synchronously (serving needs a model) and starts the polling thread; :meth:`check_now`
+    does one poll-and-maybe-load in the calling thread (tests, SIGHUP).
+
+    ``loader(version) -> policy`` defaults to :func:`flywheel.evaluate.load_policy_for_version`;
+    ``alias_version() -> int | None`` defaults to reading the alias through the tracker.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        name: str | None = None,
+        *,
+        tracker: Any = None,
+        loader: Callable[[int], Any] | None = None,
+        alias_version: Callable[[], int | None] | None = None,
+        poll_s: float | None = None,
+    ) -> None:
+        self.name = name or cfg.cycle.model_name
+        if tracker is None and (loader is None or alias_version is None):
+            from flywheel.tracking import Tracker
+
+            tracker = Tracker(cfg)
+        if loader is None:
+            from flywheel.evaluate import load_policy_for_version
+
+            def loader(v: int) -> Any:
+                return load_policy_for_version(cfg, tracker, self.name, v)
+
+        self._loader = loader
+        self._alias = alias_version or (lambda: tracker.get_alias_version(self.name, CHAMPION))
+        self.poll_s = float(poll_s if poll_s is not None else cfg.serve.poll_alias_s)
+        self._current: tuple[str, Any] | None = None
+        self.version: int | None = None
+        self.swaps = 0
+        self.last_error: str | None = None
+        self._load_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._old_sighup: Any = None
+
+    def __call__(self) -> tuple[str, Any]:
+        cur = self._current
+        if cur is None:
+            raise DeployError(f"{self.name}: no champion loaded yet")
+        return cur
+
+    def check_now(self) -> bool:
+        """Poll the alias once; load and swap if it moved. Returns True when a swap happened."""
+        with self._load_lock:
+            v = self._alias()
+            if v is None:
+                if self._current is None:
+                    raise DeployError(f"{self.name} has no champion alias; promote a model first")
+                return False  # alias deleted: keep serving what we have rather than nothing
+            if v == self.version:
+                return False
+            try:
+                policy = self._loader(int(v))
+            except Exception as e:
+                self.last_error = f"loading model:{self.name}/{v} failed: {e}"
+                if self._current is None:
+                    raise DeployError(self.last_error) from e
+                log.error("%s; still serving version %s", self.last_error, self.version)
+                return False
+            self._current = (self.name, policy)  # the swap: one reference assignment
+            old, self.version = self.version, int(v)
+            self.swaps += 1
+            self.last_error = None
+            log.info("serving model:%s/%s (was %s)", self.name, v, old)
+            return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.check_now()
+            except Exception as e:  # a broken tracking store must not kill the server
+                self.last_error = str(e)
+                log.error("champion poll failed: %s", e)
+
+    def reload(self) -> None:
+        """Ask the polling thread to check the alias now (what SIGHUP does)."""
+        self._wake.set()
+
+    def start(self, *, install_sighup: bool = True) -> ChampionWatcher:
+        self.check_now()
+        self._thread = threading.Thread(target=self._run, name=f"champion-watcher-{self.name}", daemon=True)
+        self._thread.start()
+        if install_sighup and threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP"):
+            self._old_sighup = signal.signal(signal.SIGHUP, lambda *_: self.reload())
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self._old_sighup is not None:
+            signal.signal(signal.SIGHUP, self._old_sighup)
+            self._old_sighup = None
+
+
+def champion_provider(cfg: Any, name: str | None = None, **kw: Any) -> ChampionWatcher:
+    """A started :class:`ChampionWatcher`: pass it as ``policy_provider`` to ``create_app``."""
+    return ChampionWatcher(cfg, name, **kw).start()

@@ -1,0 +1,383 @@
+"""Evaluate a model version on a suite version, with results cached per (model, suite, decoding).
+
+What an evaluation is
+- Every task of one suite version, through the same env harness and verifier the training side
+  uses (:func:`flywheel.envs.harness.run_episodes`), with the decoding fixed by ``[gate]``:
+  greedy pass@1 by default (``temperature 0``, ``max_new_tokens``, ``seed``); pass@k when
+  ``pass_k > 1`` (``k`` samples at ``pass_k_temperature``, an item passes when any sample passes).
+  Champion and challenger therefore see identical prompts, seeds and decoding.
+- One item row per task (Parquet artifact, :data:`ITEM_SCHEMA`) and one ``eval.completed`` event
+  on ``evaluation:<model>@<suite name>@<suite version>#<decoding hash>`` with causation to the model
+  version and the suite version.
+
+Caching: before running anything, :func:`evaluate_model` looks for that event; when it exists and
+its artifact verifies, the recorded items are returned (``cached=True``) and no model is loaded, so
+the nightly gate evaluates the champion once per suite version. Registered model versions are
+immutable in MLflow, which is what makes the cache key sound. Not cached across decoding changes
+(the hash covers every decoding knob) or harness code changes (not covered: bump the suite version
+or delete the event's artifact to force a re-run).
+
+Infrastructure errors: an item with ``Verdict.infra_error`` on any of its samples is recorded with
+that error and excluded from pass rates here and from both sides of the gate's comparison.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from flywheel.store import NewEvent
+
+ITEM_SCHEMA = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("passed", pa.bool_()),  # pass@k (k = n_samples); pass@1 under the default greedy decoding
+        ("n_samples", pa.int32()),
+        ("n_passed", pa.int32()),
+        ("reward", pa.float64()),  # mean verifier reward over the samples
+        ("infra_error", pa.string()),  # first infrastructure error, null when none
+        ("deterministic", pa.bool_()),
+        ("failure_kinds", pa.list_(pa.string())),
+        ("tools", pa.list_(pa.string())),
+        ("source", pa.string()),
+        ("cluster", pa.string()),
+        ("origin_failure", pa.string()),
+        ("split", pa.string()),
+        ("completion", pa.string()),  # first sample's final answer text (truncated), for reports
+    ]
+)
+_COMPLETION_CHARS = 2000
+
+
+class EvaluationError(RuntimeError):
+    """An evaluation could not run (unknown model, unreadable suite, harness missing)."""
+
+
+# --------------------------------------------------------------------------------------------
+# model references
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What is evaluated: a registered MLflow version, or a base model spec (the implicit champion
+    before the first promotion)."""
+
+    name: str
+    version: int | None = None
+    spec: str | None = None
+
+    @classmethod
+    def registered(cls, name: str, version: int) -> ModelRef:
+        return cls(name=name, version=int(version))
+
+    @classmethod
+    def base(cls, spec: str) -> ModelRef:
+        return cls(name="base", spec=str(spec))
+
+    @property
+    def is_base(self) -> bool:
+        return self.version is None
+
+    @property
+    def key(self) -> str:
+        """``policy/3`` or ``base/<spec tail>-<hash8>`` (a path spec is hashed, not embedded)."""
+        if self.version is not None:
+            return f"{self.name}/{self.version}"
+        tail = Path(self.spec or "").name or "model"
+        return f"base/{tail}-{hashlib.sha256((self.spec or '').encode()).hexdigest()[:8]}"
+
+    @property
+    def entity_id(self) -> str | None:
+        return f"model:{self.name}/{self.version}" if self.version is not None else None
+
+    def __str__(self) -> str:
+        return self.entity_id or f"base:{self.spec}"
+
+
+PolicyLoader = Callable[[ModelRef], Any]
+
+
+def load_policy_for_version(cfg: Any, tracker: Any, name: str, version: int) -> Any:
+    """An :class:`~flywheel.policy.hf.HFPolicy` for a registered version, full model or LoRA adapter.
+
+    A version is an adapter when its MLflow tag ``adapter`` is ``true`` or its directory holds
+    ``adapter_config.json``; the adapter is then loaded on top of the tag ``base_model`` (else the
+    adapter config's ``base_model_name_or_path``, else ``[policy] base_model``). Otherwise the
+    version's directory is a full Hugging Face model directory.
+    """
+    from flywheel.policy.hf import HFPolicy
+
+    try:
+        mv = tracker.model_version(name, version)
+    except Exception as e:  # MLflow raises its own exception types for a missing version
+        raise EvaluationError(f"model:{name}/{version} is not a registered version: {e}") from None
+    tags = dict(getattr(mv, "tags", {}) or {})
+    d = Path(tracker.model_dir(name, version))
+    adapter_cfg = d / "adapter_config.json"
+    is_adapter = str(tags.get("adapter", "")).lower() == "true" or adapter_cfg.exists()
+    common = dict(device=cfg.policy.device, dtype=cfg.policy.dtype, name=name, version=str(version))
+    if is_adapter:
+        base = tags.get("base_model")
+        if not base and adapter_cfg.exists():
+            base = json.loads(adapter_cfg.read_text()).get("base_model_name_or_path")
+        return HFPolicy.from_spec(base or cfg.policy.base_model, home=cfg.home, adapter=d, **common)
+    return HFPolicy.from_spec(str(d), home=cfg.home, **common)
+
+
+def default_policy_loader(cfg: Any, tracker: Any) -> PolicyLoader:
+    def load(ref: ModelRef) -> Any:
+        if ref.is_base:
+            from flywheel.policy.hf import HFPolicy
+
+            return HFPolicy.from_spec(
+                ref.spec, home=cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype, name="base", version="base"
+            )
+        return load_policy_for_version(cfg, tracker, ref.name, int(ref.version))
+
+    return load
+
+
+# --------------------------------------------------------------------------------------------
+# suites
+
+
+def parse_suite_spec(spec: str) -> tuple[str, int | None]:
+    """``heldout`` -> (heldout, None); ``heldout@3`` or ``suite:heldout@3`` -> (heldout, 3)."""
+    s = spec.removeprefix("suite:")
+    if "@" in s:
+        name, v = s.rsplit("@", 1)
+        try:
+            return name, int(v)
+        except ValueError:
+            raise EvaluationError(f"suite {spec!r}: version {v!r} is not an integer") from None
+    return s, None
+
+
+def resolve_suite(store: Any, artifacts: Any, suite: Any) -> Any:
+    """A suite object (``entity_id``, ``name``, ``version``, ``tasks``) from an object or a spec string."""
+    if not isinstance(suite, str):
+        return suite
+    from flywheel.evals import load_suite
+
+    parse_suite_spec(suite)  # validates the spec before touching the store
+    try:
+        return load_suite(store, artifacts, suite)
+    except (LookupError, ValueError) as e:
+        raise EvaluationError(f"suite {suite!r} cannot be loaded: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# results
+
+
+@dataclass
+class EvalResult:
+    """Item-level results of one model on one suite version."""
+
+    evaluation_id: str
+    model: ModelRef
+    suite: str
+    decoding: dict[str, Any]
+    items: pa.Table
+    artifact: dict[str, Any]
+    cached: bool = False
+    wall_s: float = 0.0
+
+    def rows(self) -> list[dict[str, Any]]:
+        return self.items.to_pylist()
+
+    def by_task(self) -> dict[str, dict[str, Any]]:
+        return {r["task_id"]: r for r in self.rows()}
+
+    @property
+    def n_items(self) -> int:
+        return self.items.num_rows
+
+    def scorable(self, include_nondeterministic: bool = False) -> list[dict[str, Any]]:
+        return [r for r in self.rows() if r["infra_error"] is None and (include_nondeterministic or r["deterministic"])]
+
+    @property
+    def pass_rate(self) -> float:
+        s = self.scorable()
+        return sum(r["passed"] for r in s) / len(s) if s else float("nan")
+
+    def summary(self) -> dict[str, Any]:
+        rows = self.rows()
+        s = self.scorable()
+        return {
+            "evaluation_id": self.evaluation_id,
+            "model": str(self.model),
+            "suite": self.suite,
+            "items": len(rows),
+            "scorable": len(s),
+            "passed": sum(r["passed"] for r in s),
+            "pass_rate": (sum(r["passed"] for r in s) / len(s)) if s else None,
+            "infra_errors": sum(r["infra_error"] is not None for r in rows),
+            "nondeterministic": sum((not r["deterministic"]) for r in rows),
+            "cached": self.cached,
+        }
+
+
+def decoding_for(gate_cfg: Any) -> dict[str, Any]:
+    """The decoding every gate evaluation uses (part of the cache key)."""
+    k = int(getattr(gate_cfg, "pass_k", 1))
+    return {
+        "k": k,
+        "temperature": 0.0 if k == 1 else float(getattr(gate_cfg, "pass_k_temperature", 0.8)),
+        "top_p": 1.0,
+        "max_new_tokens": int(gate_cfg.max_new_tokens),
+        "seed": int(gate_cfg.seed),
+    }
+
+
+def evaluation_id_for(model: ModelRef, suite_id: str, decoding: Mapping[str, Any]) -> str:
+    h = hashlib.sha256(json.dumps(dict(decoding), sort_keys=True).encode()).hexdigest()[:8]
+    return f"evaluation:{model.key}@{suite_id.removeprefix('suite:')}#{h}"
+
+
+def _get(task: Any, key: str, default: Any = None) -> Any:
+    if isinstance(task, Mapping):
+        return task.get(key, default)
+    return getattr(task, key, default)
+
+
+def _episode_text(ep: Any) -> str | None:
+    for attr in ("completion", "text", "answer", "final_text"):
+        v = getattr(ep, attr, None)
+        if isinstance(v, str):
+            return v[:_COMPLETION_CHARS]
+    samples = getattr(ep, "samples", None)
+    if samples:
+        v = getattr(samples[-1], "text", None)
+        if isinstance(v, str):
+            return v[:_COMPLETION_CHARS]
+    return None
+
+
+def item_row(task: Any, episodes: Sequence[Any]) -> dict[str, Any]:
+    """One :data:`ITEM_SCHEMA` row from a task and its episodes (one per sample)."""
+    md = _get(task, "metadata", {}) or {}
+    verdicts = [ep.verdict for ep in episodes]
+    infra = next((str(v.infra_error) for v in verdicts if getattr(v, "infra_error", None)), None)
+    n_passed = sum(bool(v.passed) for v in verdicts if not getattr(v, "infra_error", None))
+    deterministic = all(getattr(v, "deterministic", True) for v in verdicts) and md.get("deterministic", True) is not False
+    rewards = [float(v.reward) for v in verdicts]
+
+    def strs(v: Any) -> list[str]:
+        return [str(x) for x in (v or [])] if not isinstance(v, str) else [v]
+
+    def opt(v: Any) -> str | None:
+        return None if v is None else str(v)
+
+    return {
+        "task_id": str(_get(task, "task_id")),
+        "passed": infra is None and n_passed > 0,
+        "n_samples": len(verdicts),
+        "n_passed": n_passed,
+        "reward": sum(rewards) / len(rewards) if rewards else 0.0,
+        "infra_error": infra,
+        "deterministic": bool(deterministic),
+        "failure_kinds": strs(md.get("failure_kinds")),
+        "tools": strs(md.get("tools")),
+        "source": opt(md.get("source")),
+        "cluster": opt(md.get("cluster")),
+        "origin_failure": opt(md.get("origin_failure")),
+        "split": opt(md.get("split")),
+        "completion": _episode_text(episodes[0]) if episodes else None,
+    }
+
+
+def _cached(store: Any, artifacts: Any, evaluation_id: str) -> tuple[dict[str, Any], pa.Table] | None:
+    from flywheel.artifacts import ArtifactError
+
+    events = store.read(stream=evaluation_id, types="eval.completed")
+    if not events:
+        return None
+    payload = events[-1].payload
+    try:
+        table = artifacts.read_table(payload["items"]["sha256"])
+    except ArtifactError:
+        return None  # missing or corrupt: evaluate again (the new event references a fresh artifact)
+    return payload, table
+
+
+def evaluate_model(
+    cfg: Any,
+    store: Any,
+    artifacts: Any,
+    tracker: Any,
+    model_version: int | ModelRef,
+    suite: Any,
+    *,
+    policy: Any = None,
+    policy_loader: PolicyLoader | None = None,
+    correlation_id: str | None = None,
+    context: Any = None,
+) -> EvalResult:
+    """Evaluate ``model_version`` (of ``[cycle] model_name``, or a :class:`ModelRef`) on ``suite``.
+
+    ``suite``: a suite object from :func:`flywheel.evals.load_suite` or a spec (``heldout@3``).
+    ``policy`` (already loaded) or ``policy_loader`` override how the model is loaded; by default
+    :func:`load_policy_for_version`. Returns the cached result when one exists (see module doc).
+    """
+    ref = model_version if isinstance(model_version, ModelRef) else ModelRef.registered(cfg.cycle.model_name, int(model_version))
+    suite_obj = resolve_suite(store, artifacts, suite)
+    suite_id = str(suite_obj.entity_id)
+    decoding = decoding_for(cfg.gate)
+    evaluation_id = evaluation_id_for(ref, suite_id, decoding)
+    hit = _cached(store, artifacts, evaluation_id)
+    if hit is not None:
+        payload, table = hit
+        return EvalResult(evaluation_id, ref, suite_id, decoding, table, payload["items"], cached=True,
+                          wall_s=float(payload.get("wall_s", 0.0)))
+
+    from flywheel.envs.harness import run_episodes
+    from flywheel.policy.base import SamplingParams
+
+    tasks = list(suite_obj.tasks)
+    if policy is None:
+        loader = policy_loader or default_policy_loader(cfg, tracker)
+        policy = loader(ref)
+    params = SamplingParams(
+        n=decoding["k"], temperature=decoding["temperature"], top_p=decoding["top_p"],
+        max_new_tokens=decoding["max_new_tokens"], seed=decoding["seed"],
+    )
+    t0 = time.perf_counter()
+    episodes = run_episodes(tasks, policy, params, context=context) if tasks else []
+    wall = time.perf_counter() - t0
+    if len(episodes) != len(tasks):
+        raise EvaluationError(f"harness returned {len(episodes)} episode groups for {len(tasks)} tasks of {suite_id}")
+    rows = [item_row(t, eps) for t, eps in zip(tasks, episodes, strict=True)]
+    table = pa.Table.from_pylist(rows, schema=ITEM_SCHEMA)
+    ref_art = artifacts.put_table(table)
+    result = EvalResult(evaluation_id, ref, suite_id, decoding, table, ref_art.to_dict(), cached=False, wall_s=wall)
+    s = result.summary()
+    payload = {
+        "entity_id": evaluation_id,
+        "model": str(ref),
+        "model_name": ref.name,
+        "model_version": ref.version,
+        "base_spec": ref.spec,
+        "suite": suite_id,
+        "suite_name": str(getattr(suite_obj, "name", "")),
+        "suite_version": getattr(suite_obj, "version", None),
+        "decoding": decoding,
+        "items": ref_art.to_dict(),
+        "n_items": s["items"],
+        "n_scorable": s["scorable"],
+        "n_passed": s["passed"],
+        "pass_rate": s["pass_rate"],
+        "infra_errors": s["infra_errors"],
+        "nondeterministic": s["nondeterministic"],
+        "wall_s": round(wall, 3),
+    }
+    causation = [c for c in (ref.entity_id, suite_id) if c]
+    store.append(evaluation_id, NewEvent("eval.completed", payload, causation), correlation_id=correlation_id)
+    return result

@@ -1,0 +1,781 @@
+"""Gate-as-code: does the challenger beat the champion, with confidence, on evals it never trained on?
+
+The statistics and the rules are pure functions of evaluation results (:func:`paired_bootstrap`,
+:func:`compute_slices`, the ``rule_*`` functions, :func:`decide`), so each rule is tested on
+constructed results. :func:`run_gate` is the stage: it evaluates both models (cached, see
+:mod:`flywheel.evaluate`), applies the rules, appends one ``gate.decided`` event and writes a report.
+
+Rules (thresholds from ``[gate]`` in ``flywheel.toml``, :class:`flywheel.config.GateConfig`)
+
+=========================  ================================================================
+``min_pass_rate``          challenger pass rate on the paired held-out items >= the floor.
+``min_improvement``        lower bound of the paired-bootstrap CI of (challenger - champion)
+                           pass rate at ``confidence`` is strictly greater than the threshold.
+                           With the default 0.0 an *equal* model is refused (its CI straddles 0).
+``max_slice_regression``   no slice with at least ``min_slice_size`` paired items drops by more
+                           than this (champion rate - challenger rate).
+``max_regression_failures`` regression suite (successful production traces): the number of
+                           items the champion passes and the challenger fails ("keep passing")
+                           is at most this. Without a champion, every challenger failure counts.
+                           Without a regression suite the rule passes and says so.
+``require_decontaminated``  the challenger's training data was decontaminated against *this*
+                           held-out suite version (see :func:`assess_decontamination`).
+=========================  ================================================================
+
+Pairing: only items scored for both models enter the comparison. An item with an infrastructure
+error on either side (sandbox crash, judge endpoint down: ``Verdict.infra_error``) is excluded from
+both sides and counted in the report; an infrastructure failure is never a candidate failure.
+Non-deterministic items (``llm_judge``) are excluded unless ``[evals] include_llm_judge_in_gate``.
+
+Not guaranteed: that the held-out suite is representative of production traffic; the gate only says
+the challenger is better *on this suite version* at the stated confidence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Rows of the bootstrap index matrix drawn per call: bounds memory at ~32 MiB of int64 indices
+# (4,194,304 entries) whatever the suite size. Part of the algorithm's definition (see
+# paired_bootstrap): the draws depend on it only when a suite has more than 2,097 items.
+_BOOTSTRAP_CHUNK_ENTRIES = 1 << 22
+
+
+class GateError(RuntimeError):
+    """The gate could not be evaluated (missing suite, unknown model, ...): an error, not a refusal."""
+
+
+# --------------------------------------------------------------------------------------------
+# statistics
+
+
+@dataclass(frozen=True)
+class BootstrapResult:
+    """Paired bootstrap of the difference in pass rate (challenger - champion) on the same items.
+
+    ``wins``: items the challenger passes and the champion fails; ``losses``: the reverse;
+    ``ties``: both pass or both fail. ``lo``/``hi`` are the percentile-method bounds at
+    ``confidence``; NaN when there are no items.
+    """
+
+    n: int
+    champion_rate: float
+    challenger_rate: float
+    diff: float
+    lo: float
+    hi: float
+    confidence: float
+    samples: int
+    seed: int
+    wins: int
+    losses: int
+    ties: int
+
+
+def paired_bootstrap(
+    champion: Sequence[float] | np.ndarray,
+    challenger: Sequence[float] | np.ndarray,
+    *,
+    samples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> BootstrapResult:
+    """Percentile-method paired bootstrap CI for mean(challenger - champion).
+
+    Algorithm (exactly, so that a fixed seed gives fixed bounds):
+    ``d = challenger - champion`` (per item, in {-1, 0, 1} for pass/fail);
+    ``rng = numpy.random.Generator(numpy.random.PCG64(seed))``; resample item indices
+    ``rng.integers(0, n, size=(rows, n))`` in consecutive chunks of
+    ``rows = max(1, 4_194_304 // n)`` until ``samples`` rows are drawn; each row's statistic is
+    ``d[idx].mean()``; the bounds are ``numpy.percentile(stats, [100 * (1 - c) / 2, 100 * (1 + c) / 2])``
+    (linear interpolation, numpy's default). Resampling *pairs* keeps the correlation between the
+    two models on the same item, which is what makes the paired interval much narrower than two
+    independent intervals.
+    """
+    a = np.asarray(champion, dtype=np.float64)
+    b = np.asarray(challenger, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired_bootstrap needs two 1-D arrays of equal length (got {a.shape} and {b.shape})")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1 (got {samples})")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1) (got {confidence})")
+    n = int(a.shape[0])
+    wins = int(np.sum(b > a))
+    losses = int(np.sum(b < a))
+    if n == 0:
+        nan = float("nan")
+        return BootstrapResult(0, nan, nan, nan, nan, nan, confidence, samples, seed, 0, 0, 0)
+    d = b - a
+    rng = np.random.Generator(np.random.PCG64(seed))
+    rows = max(1, _BOOTSTRAP_CHUNK_ENTRIES // n)
+    stats = np.empty(samples, dtype=np.float64)
+    done = 0
+    while done < samples:
+        r = min(rows, samples - done)
+        idx = rng.integers(0, n, size=(r, n))
+        stats[done : done + r] = d[idx].mean(axis=1)
+        done += r
+    lo, hi = np.percentile(stats, [100.0 * (1.0 - confidence) / 2.0, 100.0 * (1.0 + confidence) / 2.0])
+    return BootstrapResult(
+        n=n,
+        champion_rate=float(a.mean()),
+        challenger_rate=float(b.mean()),
+        diff=float(d.mean()),
+        lo=float(lo),
+        hi=float(hi),
+        confidence=confidence,
+        samples=samples,
+        seed=seed,
+        wins=wins,
+        losses=losses,
+        ties=n - wins - losses,
+    )
+
+
+@dataclass(frozen=True)
+class PairedItem:
+    """One held-out item scored for both models. ``labels`` name the slices it belongs to."""
+
+    task_id: str
+    champion: bool
+    challenger: bool
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SliceResult:
+    name: str
+    n: int
+    champion_rate: float
+    challenger_rate: float
+    wins: int
+    losses: int
+
+    @property
+    def delta(self) -> float:
+        """challenger - champion (negative = regression)."""
+        return self.challenger_rate - self.champion_rate
+
+
+def compute_slices(items: Iterable[PairedItem]) -> list[SliceResult]:
+    """Pass rates per slice label (an item may be in several slices), sorted by name."""
+    acc: dict[str, list[int]] = {}
+    for it in items:
+        for label in dict.fromkeys(it.labels):  # an item counts once per slice
+            s = acc.setdefault(label, [0, 0, 0, 0, 0])
+            s[0] += 1
+            s[1] += int(it.champion)
+            s[2] += int(it.challenger)
+            s[3] += int(it.challenger and not it.champion)
+            s[4] += int(it.champion and not it.challenger)
+    return [
+        SliceResult(name, n, champ / n, chall / n, w, lo)
+        for name, (n, champ, chall, w, lo) in sorted(acc.items())
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# rules
+
+
+@dataclass(frozen=True)
+class RuleResult:
+    """One gate rule: ``value`` measured, ``threshold`` from config, a one-line ``reason``."""
+
+    rule: str
+    passed: bool
+    value: Any
+    threshold: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class RegressionSummary:
+    """The challenger on the regression suite (successful production traces)."""
+
+    suite: str
+    n: int
+    challenger_failures: int
+    new_failures: int  # champion passes, challenger fails
+    champion_present: bool
+    infra_errors: int = 0
+    failed_task_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecontaminationStatus:
+    """Whether the challenger's training data is clean with respect to one held-out suite version.
+
+    ``decontaminated`` is ``None`` when lineage cannot tell (no training data recorded).
+    """
+
+    decontaminated: bool | None
+    basis: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _fmt(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+def rule_min_pass_rate(challenger_rate: float, n: int, threshold: float) -> RuleResult:
+    if n == 0:
+        return RuleResult("min_pass_rate", False, None, threshold, "no scorable held-out items (all excluded or suite empty)")
+    ok = challenger_rate >= threshold
+    op = ">=" if ok else "<"
+    return RuleResult(
+        "min_pass_rate", ok, challenger_rate, threshold,
+        f"challenger pass rate {_fmt(challenger_rate)} {op} floor {_fmt(threshold)} on {n} items",
+    )
+
+
+def rule_min_improvement(boot: BootstrapResult, threshold: float) -> RuleResult:
+    if boot.n == 0:
+        return RuleResult("min_improvement", False, None, threshold, "no paired items: the improvement cannot be estimated")
+    ok = boot.lo > threshold
+    pct = f"{boot.confidence:.0%}"
+    return RuleResult(
+        "min_improvement", ok, boot.lo, threshold,
+        f"{pct} CI of challenger - champion is [{_fmt(boot.lo)}, {_fmt(boot.hi)}] (diff {_fmt(boot.diff)}, "
+        f"{boot.wins} wins / {boot.losses} losses on {boot.n} items); lower bound "
+        + ("exceeds" if ok else "does not exceed")
+        + f" {_fmt(threshold)}",
+    )
+
+
+def rule_max_slice_regression(slices: Sequence[SliceResult], max_drop: float, min_size: int) -> RuleResult:
+    eligible = [s for s in slices if s.n >= min_size]
+    if not eligible:
+        return RuleResult(
+            "max_slice_regression", True, None, max_drop,
+            f"no slice has >= {min_size} paired items; nothing to check",
+        )
+    worst = min(eligible, key=lambda s: (s.delta, s.name))
+    drop = -worst.delta
+    # A tiny epsilon so that a drop of exactly the threshold (0.1 from 0.6 -> 0.5) is allowed.
+    bad = [s for s in eligible if -s.delta > max_drop + 1e-12]
+    if bad:
+        names = ", ".join(f"{s.name} ({_fmt(s.champion_rate)} -> {_fmt(s.challenger_rate)}, n={s.n})" for s in bad[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        return RuleResult(
+            "max_slice_regression", False, drop, max_drop,
+            f"{len(bad)} slice(s) dropped more than {_fmt(max_drop)}: {names}{more}",
+        )
+    return RuleResult(
+        "max_slice_regression", True, drop, max_drop,
+        f"worst slice {worst.name} changes {_fmt(worst.delta)} (allowed drop {_fmt(max_drop)}, "
+        f"{len(eligible)} slices with >= {min_size} items)",
+    )
+
+
+def rule_max_regression_failures(reg: RegressionSummary | None, threshold: int) -> RuleResult:
+    if reg is None:
+        return RuleResult("max_regression_failures", True, None, threshold, "no regression suite recorded; nothing to check")
+    counted = reg.new_failures if reg.champion_present else reg.challenger_failures
+    what = "items the champion passes and the challenger fails" if reg.champion_present else "challenger failures (no champion)"
+    ok = counted <= threshold
+    ids = f" (e.g. {', '.join(reg.failed_task_ids[:3])})" if (not ok and reg.failed_task_ids) else ""
+    return RuleResult(
+        "max_regression_failures", ok, counted, threshold,
+        f"{counted} {what} on {reg.suite} ({reg.n} items) {'<=' if ok else '>'} {threshold}{ids}",
+    )
+
+
+def rule_decontaminated(status: DecontaminationStatus, required: bool) -> RuleResult:
+    if not required:
+        return RuleResult("require_decontaminated", True, status.decontaminated, False, f"not required ({status.basis})")
+    ok = status.decontaminated is True
+    return RuleResult("require_decontaminated", ok, status.decontaminated, True, status.basis)
+
+
+@dataclass(frozen=True)
+class GateEvidence:
+    """Everything the rules look at, computed from the two evaluations and lineage."""
+
+    boot: BootstrapResult
+    slices: tuple[SliceResult, ...]
+    regression: RegressionSummary | None
+    decontamination: DecontaminationStatus
+
+
+def decide(evidence: GateEvidence, gate_cfg: Any) -> tuple[bool, list[RuleResult]]:
+    """Apply every rule (no short-circuit: the report always shows all of them)."""
+    rules = [
+        rule_min_pass_rate(evidence.boot.challenger_rate, evidence.boot.n, gate_cfg.min_pass_rate),
+        rule_min_improvement(evidence.boot, gate_cfg.min_improvement),
+        rule_max_slice_regression(evidence.slices, gate_cfg.max_slice_regression, gate_cfg.min_slice_size),
+        rule_max_regression_failures(evidence.regression, gate_cfg.max_regression_failures),
+        rule_decontaminated(evidence.decontamination, gate_cfg.require_decontaminated),
+    ]
+    return all(r.passed for r in rules), rules
+
+
+# --------------------------------------------------------------------------------------------
+# lineage-derived facts (pure: they take entity states, not the store)
+
+
+def _as_list(v: Any) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    return [str(x) for x in v]
+
+
+def entity_facts(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Failure kinds, tool names, cluster, split and origin failure of a failure/eval entity state.
+
+    Tolerant of where the producing stage put them (top level or under ``metadata``), because
+    failure and eval payloads are owned by other stages; unknown -> empty.
+    """
+    md = state.get("metadata") if isinstance(state.get("metadata"), Mapping) else {}
+    kinds = _as_list(state.get("failure_kinds") or md.get("failure_kinds") or state.get("kinds") or state.get("kind"))
+    tools = _as_list(state.get("tools") if isinstance(state.get("tools"), list) and all(
+        isinstance(t, str) for t in state.get("tools")) else md.get("tools"))
+    return {
+        "kinds": kinds,
+        "tools": tools,
+        "cluster": state.get("cluster") or md.get("cluster"),
+        "split": state.get("split") or md.get("split"),
+        "origin_failure": state.get("origin_failure") or md.get("origin_failure") or state.get("failure_id"),
+    }
+
+
+def training_signatures(lineage_states: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """From the challenger's lineage (entity id -> state), the failures its training data came from.
+
+    Returns ``failures`` (failure entity ids), ``clusters``, and ``signatures``: the set of
+    ``(failure_kind, tool)`` pairs (tool ``""`` when the failure names none) of those failures and of
+    the eval cases built from them.
+    """
+    failures: set[str] = set()
+    clusters: set[str] = set()
+    sigs: set[tuple[str, str]] = set()
+    for eid, state in lineage_states.items():
+        kind = eid.split(":", 1)[0]
+        if kind not in ("failure", "eval"):
+            continue
+        f = entity_facts(state or {})
+        if kind == "failure":
+            failures.add(eid)
+        elif f["origin_failure"]:
+            failures.add(str(f["origin_failure"]))
+        if f["cluster"]:
+            clusters.add(str(f["cluster"]))
+        for k in f["kinds"]:
+            for t in f["tools"] or [""]:
+                sigs.add((k, t))
+    return {"failures": failures, "clusters": clusters, "signatures": sigs}
+
+
+def item_labels(metadata: Mapping[str, Any], training: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """Slice labels of one held-out item.
+
+    ``kind:<failure kind>``, ``tool:<tool name>``, ``source:<source>`` from the item's metadata, and
+    ``originating_failures`` when the item belongs to the originating-failures slice:
+
+    an item is in it when one of its (failure kind, tool) pairs equals a (failure kind, tool) pair of
+    a failure the challenger's training data descends from (lineage: model -> run -> rollouts/synth ->
+    env -> suite -> evals -> failures). The held-out split is by failure *cluster*, so the exact
+    failures trained on are never in the held-out suite; this slice asks the next best question:
+    are failures *of the same kind on the same tool* fixed on evals the model never saw? Items whose
+    own cluster or origin failure appears in the training lineage would be contamination; they get
+    the label ``contaminated`` (and fail :func:`assess_decontamination`).
+    """
+    md = metadata or {}
+    kinds = _as_list(md.get("failure_kinds"))
+    tools = _as_list(md.get("tools"))
+    labels = [f"kind:{k}" for k in kinds] + [f"tool:{t}" for t in tools]
+    if md.get("source"):
+        labels.append(f"source:{md['source']}")
+    if training:
+        sigs = training.get("signatures", set())
+        if any((k, t) in sigs for k in kinds for t in (tools or [""])):
+            labels.append("originating_failures")
+        if (md.get("cluster") and md["cluster"] in training.get("clusters", set())) or (
+            md.get("origin_failure") and md["origin_failure"] in training.get("failures", set())
+        ):
+            labels.append("contaminated")
+    return tuple(labels)
+
+
+def assess_decontamination(
+    lineage_states: Mapping[str, Mapping[str, Any]],
+    suite_id: str,
+    heldout_suite_name: str,
+    contaminated_items: Sequence[str] = (),
+) -> DecontaminationStatus:
+    """Was the challenger's training data decontaminated against ``suite_id`` (``suite:heldout@N``)?
+
+    The rule, from the challenger's lineage (every entity its training descends from):
+
+    1. Not decontaminated if the lineage reaches any version of the held-out suite
+       (``suite:<heldout>@*``) or any eval whose split is held-out, or if a held-out item of
+       ``suite_id`` shares a failure cluster or origin failure with the lineage
+       (``contaminated_items``).
+    2. Every synthetic batch (``synth:*``) in the lineage must list exactly ``suite_id`` in its
+       ``decontaminated_against`` payload field: decontamination against an older held-out version
+       does not cover items added since.
+    3. Data built only from train-split evals (no synthetic batch) is decontaminated by
+       construction: the split is by failure cluster, so no held-out cluster is in the train split.
+    4. No recorded training data at all (no eval, failure or synth in the lineage): unknown
+       (``None``), which fails the rule when it is required; a gate cannot vouch for data it cannot see.
+    """
+    heldout_prefix = f"suite:{heldout_suite_name}@"
+    touched = sorted(e for e in lineage_states if e.startswith(heldout_prefix))
+    heldout_evals = sorted(
+        e for e, s in lineage_states.items()
+        if e.startswith("eval:") and str(entity_facts(s or {})["split"] or "").lower() in ("heldout", "held-out", "held_out")
+    )
+    synth = {e: s for e, s in lineage_states.items() if e.startswith("synth:")}
+    evals = [e for e in lineage_states if e.startswith(("eval:", "failure:"))]
+    details: dict[str, Any] = {
+        "suite": suite_id, "synth_batches": len(synth), "evals_and_failures": len(evals),
+    }
+    if touched or heldout_evals or contaminated_items:
+        details.update(heldout_suites=touched, heldout_evals=heldout_evals[:20], contaminated_items=list(contaminated_items)[:20])
+        what = touched[:2] or heldout_evals[:2] or list(contaminated_items)[:2]
+        return DecontaminationStatus(False, f"training lineage reaches held-out data ({', '.join(what)})", details)
+    missing = sorted(e for e, s in synth.items() if suite_id not in _as_list((s or {}).get("decontaminated_against")))
+    if missing:
+        details["not_decontaminated"] = missing[:20]
+        return DecontaminationStatus(
+            False, f"{len(missing)} synthetic batch(es) not decontaminated against {suite_id} (e.g. {missing[0]})", details
+        )
+    if synth:
+        return DecontaminationStatus(True, f"all {len(synth)} synthetic batch(es) decontaminated against {suite_id}", details)
+    if evals:
+        return DecontaminationStatus(True, f"trained only on train-split evals ({len(evals)} in lineage): clean by construction", details)
+    return DecontaminationStatus(None, "no training data recorded in lineage: decontamination cannot be verified", details)
+
+
+# --------------------------------------------------------------------------------------------
+# decision record and report
+
+
+@dataclass
+class GateDecision:
+    """The outcome of one gate run. ``numbers`` holds every measured value and threshold."""
+
+    gate_id: str
+    passed: bool
+    reasons: list[str]
+    rules: list[RuleResult]
+    numbers: dict[str, Any]
+    report_path: Path | None = None
+    model: str = ""
+    challenger_version: int | None = None
+    champion: str | None = None
+    suite: str = ""
+    cached: bool = False
+
+    @property
+    def entity_id(self) -> str:
+        return self.gate_id
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gate_id": self.gate_id,
+            "passed": self.passed,
+            "reasons": self.reasons,
+            "rules": [asdict(r) for r in self.rules],
+            "numbers": self.numbers,
+            "report_path": str(self.report_path) if self.report_path else None,
+            "model": self.model,
+            "challenger_version": self.challenger_version,
+            "champion": self.champion,
+            "suite": self.suite,
+            "cached": self.cached,
+        }
+
+    @classmethod
+    def from_payload(cls, payload: Mapping[str, Any], report_path: Path | None = None) -> GateDecision:
+        return cls(
+            gate_id=payload["entity_id"],
+            passed=bool(payload["passed"]),
+            reasons=list(payload.get("reasons", [])),
+            rules=[RuleResult(**r) for r in payload.get("rules", [])],
+            numbers=dict(payload.get("numbers", {})),
+            report_path=report_path,
+            model=payload.get("model", ""),
+            challenger_version=payload.get("challenger_version"),
+            champion=payload.get("champion"),
+            suite=payload.get("suite", ""),
+            cached=True,
+        )
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe numbers: NaN/inf -> None (the event store rejects NaN), numpy scalars -> Python."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def gate_id_for(inputs: Mapping[str, Any]) -> str:
+    """Deterministic gate id from the decision's inputs: re-running the same gate is a no-op."""
+    body = json.dumps(_clean(dict(inputs)), sort_keys=True, separators=(",", ":"), default=str)
+    return "gate:" + hashlib.sha256(body.encode()).hexdigest()[:20]
+
+
+def render_markdown(decision: GateDecision) -> str:
+    """The human-readable report (also logged as an MLflow artifact of the gate run)."""
+    n = decision.numbers
+    lines = [
+        f"# Gate {decision.gate_id}: {'PASSED' if decision.passed else 'REFUSED'}",
+        "",
+        f"- challenger: `{n.get('challenger')}`",
+        f"- champion: `{n.get('champion')}`",
+        f"- suite: `{decision.suite}`; regression suite: `{n.get('regression_suite')}`",
+        f"- paired items: {n.get('paired_items')} (excluded: {n.get('infra_excluded')} infra errors, "
+        f"{n.get('nondeterministic_excluded')} non-deterministic, {n.get('unpaired')} unpaired)",
+        f"- pass rate: champion {_fmt(n.get('champion_pass_rate'))}, challenger {_fmt(n.get('challenger_pass_rate'))}; "
+        f"diff {_fmt(n.get('diff'))}, {n.get('confidence', 0):.0%} CI [{_fmt(n.get('ci_lo'))}, {_fmt(n.get('ci_hi'))}] "
+        f"({n.get('bootstrap_samples')} paired bootstrap samples, seed {n.get('seed')})",
+        f"- item-level: {n.get('wins')} wins, {n.get('losses')} losses, {n.get('ties')} ties",
+        "",
+        "## Rules",
+        "",
+        "| rule | result | value | threshold | reason |",
+        "|---|---|---|---|---|",
+    ]
+    for r in decision.rules:
+        val = _fmt(r.value) if isinstance(r.value, float) else r.value
+        lines.append(f"| {r.rule} | {'pass' if r.passed else 'FAIL'} | {val} | {r.threshold} | {r.reason.replace('|', '/')} |")
+    lines += ["", "## Slices", "", "| slice | n | champion | challenger | delta | wins | losses |", "|---|---|---|---|---|---|---|"]
+    for s in n.get("slices", []):
+        lines.append(
+            f"| {s['name']} | {s['n']} | {_fmt(s['champion_rate'])} | {_fmt(s['challenger_rate'])} | "
+            f"{_fmt(s['delta'])} | {s['wins']} | {s['losses']} |"
+        )
+    if n.get("win_ids") or n.get("loss_ids"):
+        lines += ["", "## Item-level changes", ""]
+        lines.append("- wins: " + (", ".join(f"`{t}`" for t in n.get("win_ids", [])) or "none"))
+        lines.append("- losses: " + (", ".join(f"`{t}`" for t in n.get("loss_ids", [])) or "none"))
+    if n.get("infra_error_ids"):
+        lines += ["", "## Infrastructure errors (excluded from both sides)", ""]
+        lines += [f"- `{t}`" for t in n["infra_error_ids"]]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# the stage
+
+
+def _lineage_states(store: Any, entity_id: str | None) -> dict[str, dict[str, Any]]:
+    if not entity_id:
+        return {}
+    states: dict[str, dict[str, Any]] = {}
+    for eid, _depth in store.lineage(entity_id, "down"):
+        ent = store.entity(eid)
+        states[eid] = (ent or {}).get("state") or {}
+    return states
+
+
+def _champion_ref(cfg: Any, tracker: Any, challenger_version: int) -> Any:
+    """The registered ``champion`` alias, else the challenger's base model (the first promotion must
+    beat the model it was trained from)."""
+    from flywheel.evaluate import ModelRef
+
+    name = cfg.cycle.model_name
+    v = tracker.get_alias_version(name, "champion")
+    if v is not None:
+        if int(v) == int(challenger_version):
+            raise GateError(f"model:{name}/{challenger_version} is already the champion; nothing to gate")
+        return ModelRef.registered(name, int(v))
+    tags = dict(getattr(tracker.model_version(name, challenger_version), "tags", {}) or {})
+    return ModelRef.base(tags.get("base_model") or cfg.policy.base_model)
+
+
+def _regression_summary(ch: Any, cp: Any | None, champion_present: bool) -> RegressionSummary:
+    chr_ = ch.by_task()
+    cpr = cp.by_task() if cp is not None else {}
+    n = infra = failures = new = 0
+    failed: list[str] = []
+    for tid, row in chr_.items():
+        other = cpr.get(tid)
+        if row["infra_error"] is not None or (other is not None and other["infra_error"] is not None):
+            infra += 1
+            continue
+        n += 1
+        if not row["passed"]:
+            failures += 1
+            if champion_present and other is not None and other["passed"]:
+                new += 1
+                failed.append(tid)
+            elif not champion_present:
+                failed.append(tid)
+    return RegressionSummary(ch.suite, n, failures, new, champion_present, infra, tuple(failed[:20]))
+
+
+def run_gate(
+    cfg: Any,
+    store: Any,
+    artifacts: Any,
+    tracker: Any,
+    model_version: int,
+    *,
+    suite: Any = None,
+    correlation_id: str | None = None,
+    policy_loader: Any = None,
+) -> GateDecision:
+    """Gate ``model:<[cycle] model_name>/<model_version>`` against the champion on ``suite``.
+
+    ``suite``: a suite object or spec (default: the latest version of ``[cycle] heldout_suite``).
+    The regression suite (``[cycle] regression_suite``, latest version) is used when one exists.
+    Appends one ``gate.decided`` event (``gate:<hash of the inputs>``, causation: challenger,
+    champion, suite versions, evaluations), writes ``<home>/reports/gate/<id>.md`` and logs it to an
+    MLflow run named ``gate``. Re-running with the same inputs returns the recorded decision
+    (``cached=True``) without evaluating or logging again.
+
+    Raises :class:`GateError` (or :class:`flywheel.evaluate.EvaluationError`) when the gate cannot be
+    evaluated; a refusal is a normal return with ``passed=False``.
+    """
+    from flywheel.evaluate import ModelRef, evaluate_model, parse_suite_spec, resolve_suite
+    from flywheel.store import NewEvent
+
+    name = cfg.cycle.model_name
+    version = int(model_version)
+    try:
+        tracker.model_version(name, version)
+    except Exception as e:
+        raise GateError(f"model:{name}/{version} is not a registered model version: {e}") from None
+    challenger = ModelRef.registered(name, version)
+    champion = _champion_ref(cfg, tracker, version)
+
+    suite_obj = resolve_suite(store, artifacts, suite if suite is not None else cfg.cycle.heldout_suite)
+    suite_id = str(suite_obj.entity_id)
+    heldout_name = parse_suite_spec(suite_id)[0]
+    reg_suite = None
+    try:
+        reg_suite = resolve_suite(store, artifacts, cfg.cycle.regression_suite)
+    except Exception:  # no regression suite recorded yet: the rule says so
+        reg_suite = None
+
+    kw = dict(policy_loader=policy_loader, correlation_id=correlation_id)
+    ch_eval = evaluate_model(cfg, store, artifacts, tracker, challenger, suite_obj, **kw)
+    cp_eval = evaluate_model(cfg, store, artifacts, tracker, champion, suite_obj, **kw)
+    ch_reg = cp_reg = None
+    if reg_suite is not None and len(list(reg_suite.tasks)) > 0:
+        ch_reg = evaluate_model(cfg, store, artifacts, tracker, challenger, reg_suite, **kw)
+        cp_reg = evaluate_model(cfg, store, artifacts, tracker, champion, reg_suite, **kw)
+
+    # ---- pair the held-out items
+    lineage = _lineage_states(store, challenger.entity_id)
+    training = training_signatures(lineage)
+    include_nd = bool(cfg.evals.include_llm_judge_in_gate)
+    ch_rows, cp_rows = ch_eval.by_task(), cp_eval.by_task()
+    paired: list[PairedItem] = []
+    infra_ids: list[str] = []
+    nondet = unpaired = 0
+    contaminated: list[str] = []
+    for tid, a in ch_rows.items():
+        b = cp_rows.get(tid)
+        if b is None:
+            unpaired += 1
+            continue
+        if a["infra_error"] is not None or b["infra_error"] is not None:
+            infra_ids.append(tid)
+            continue
+        if not include_nd and not (a["deterministic"] and b["deterministic"]):
+            nondet += 1
+            continue
+        labels = item_labels(a, training)
+        if "contaminated" in labels:
+            contaminated.append(tid)
+        paired.append(PairedItem(tid, bool(b["passed"]), bool(a["passed"]), labels))
+    unpaired += sum(1 for tid in cp_rows if tid not in ch_rows)
+
+    g = cfg.gate
+    boot = paired_bootstrap(
+        [p.champion for p in paired], [p.challenger for p in paired],
+        samples=g.bootstrap_samples, confidence=g.confidence, seed=g.seed,
+    )
+    slices = compute_slices(paired)
+    regression = _regression_summary(ch_reg, cp_reg, not champion.is_base) if ch_reg is not None else None
+    decon = assess_decontamination(lineage, suite_id, heldout_name, contaminated)
+    passed, rules = decide(GateEvidence(boot, tuple(slices), regression, decon), g)
+
+    inputs = {
+        "challenger": ch_eval.evaluation_id, "champion": cp_eval.evaluation_id,
+        "regression": [e.evaluation_id for e in (ch_reg, cp_reg) if e is not None],
+        "gate": g.model_dump(), "include_nondeterministic": include_nd, "decontamination": decon.basis,
+    }
+    gate_id = gate_id_for(inputs)
+    report_dir = Path(cfg.home) / "reports" / "gate"
+    report_path = report_dir / f"{gate_id.split(':', 1)[1]}.md"
+    prior = store.read(stream=gate_id, types="gate.decided")
+    if prior:
+        return GateDecision.from_payload(prior[-1].payload, report_path if report_path.exists() else None)
+
+    reasons = [r.reason for r in rules if not r.passed] or [
+        f"challenger beats champion: {_fmt(boot.challenger_rate)} vs {_fmt(boot.champion_rate)}, "
+        f"CI [{_fmt(boot.lo)}, {_fmt(boot.hi)}]"
+    ]
+    numbers = _clean({
+        "challenger": str(challenger), "champion": str(champion), "suite": suite_id,
+        "regression_suite": str(reg_suite.entity_id) if reg_suite is not None else None,
+        "challenger_evaluation": ch_eval.evaluation_id, "champion_evaluation": cp_eval.evaluation_id,
+        "challenger_evaluation_cached": ch_eval.cached, "champion_evaluation_cached": cp_eval.cached,
+        "decoding": ch_eval.decoding,
+        "items": ch_eval.n_items, "paired_items": boot.n, "infra_excluded": len(infra_ids),
+        "nondeterministic_excluded": nondet, "unpaired": unpaired, "infra_error_ids": infra_ids[:50],
+        "champion_pass_rate": boot.champion_rate, "challenger_pass_rate": boot.challenger_rate,
+        "diff": boot.diff, "ci_lo": boot.lo, "ci_hi": boot.hi, "confidence": boot.confidence,
+        "bootstrap_samples": boot.samples, "seed": boot.seed,
+        "wins": boot.wins, "losses": boot.losses, "ties": boot.ties,
+        "win_ids": [p.task_id for p in paired if p.challenger and not p.champion][:50],
+        "loss_ids": [p.task_id for p in paired if p.champion and not p.challenger][:50],
+        "slices": [{**asdict(s), "delta": s.delta} for s in slices],
+        "regression": asdict(regression) if regression else None,
+        "decontamination": asdict(decon),
+        "training_failures": len(training["failures"]),
+        "thresholds": g.model_dump(),
+    })
+    decision = GateDecision(
+        gate_id=gate_id, passed=passed, reasons=reasons, rules=list(rules), numbers=numbers,
+        report_path=report_path, model=name, challenger_version=version, champion=str(champion), suite=suite_id,
+    )
+    md = render_markdown(decision)
+    report_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = report_path.with_name(f".{report_path.name}.tmp")
+    tmp.write_text(md)
+    tmp.replace(report_path)
+    md_ref = artifacts.put_bytes(md.encode(), "md")
+
+    consumes = [c for c in (challenger.entity_id, champion.entity_id, suite_id,
+                            str(reg_suite.entity_id) if ch_reg is not None else None,
+                            ch_eval.evaluation_id, cp_eval.evaluation_id,
+                            *(e.evaluation_id for e in (ch_reg, cp_reg) if e is not None)) if c]
+    with tracker.run("gate", consumes=consumes, produces=[gate_id], correlation_id=correlation_id,
+                     tags={"flywheel.gate.passed": str(passed).lower()}) as run:
+        run.log_params({f"gate.{k}": v for k, v in g.model_dump().items()})
+        run.log_metrics({k: numbers[k] for k in (
+            "champion_pass_rate", "challenger_pass_rate", "diff", "ci_lo", "ci_hi", "wins", "losses",
+            "ties", "paired_items", "infra_excluded") if isinstance(numbers.get(k), int | float)})
+        run.log_metrics({"passed": float(passed)})
+        run.log_text(md, "gate_report.md")
+        run_id = run.run_id
+    payload = {
+        "entity_id": gate_id, "passed": passed, "reasons": reasons,
+        "rules": [_clean(asdict(r)) for r in rules], "numbers": numbers,
+        "model": name, "challenger_version": version, "champion": str(champion), "suite": suite_id,
+        "report": md_ref.to_dict(), "mlflow_run_id": run_id,
+    }
+    store.append(gate_id, NewEvent("gate.decided", payload, consumes), correlation_id=correlation_id)
+    return decision
