@@ -293,3 +293,19 @@ def compute_loss(variant: str, inp: LossInputs, cfg: ObjectiveConfig | None = No
 #: Variants whose normaliser is a global sequence count / token count (the trainer computes both).
 SEQUENCE_NORMALISED = frozenset({"grpo", "gspo", "dr_grpo"})
 TOKEN_NORMALISED = frozenset({"dapo", "cispo"})
+
+
+def sft_loss(inp: LossInputs) -> LossOutputs:
+    """Supervised cross-entropy on answer tokens: ``-sum m logp / N_tok`` (mask = answer tokens).
+
+    Uses the same global token normaliser as ``dapo`` so gradient accumulation and data parallelism
+    give the gradient of the whole batch, whatever the split; advantages are ignored.
+    """
+    m = inp.mask.to(torch.float32)
+    per_tok = -inp.logp.float() * m
+    n = float(m.sum())
+    loss = per_tok.sum() / _n_tok(inp, m) * inp.dp_world_size
+    stats = {"nll": float(per_tok.detach().sum() / max(n, 1.0))}
+    if inp.entropy is not None:
+        stats["entropy"] = float((inp.entropy.detach().float() * m).sum() / max(n, 1.0))
+    return LossOutputs(loss, per_tok, stats, n)

@@ -1,0 +1,318 @@
+"""Training data: rollout Parquet -> samples -> token-budget micro-batches (padded or packed).
+
+A :class:`TrainSample` is one prompt + completion in token ids with a per-completion-token loss mask.
+GRPO samples come from rollout datasets (:func:`samples_from_rollouts`); SFT samples from rendered
+demonstrations (``flywheel.train.sft``). Both go through :func:`make_micro_batches`, so the two
+trainers share batching, packing and the log-prob path.
+
+Guarantees
+- Rows with ``infra_error`` set are excluded (an infrastructure failure is never a training signal),
+  and counted in :class:`RolloutStats`.
+- Advantages are recomputed from ``reward`` (+ DAPO's soft overlong penalty when enabled) over each
+  ``group_id`` with the configured scaling, so a dataset filtered after publication (infra errors
+  removed) still gets correct group statistics. The stored ``advantage`` column is not trusted.
+- Overlong filtering (DAPO) zeroes the loss mask of truncated samples; they still count towards group
+  statistics, as in the paper.
+- A micro-batch never exceeds the token budget unless one sample alone does (it then forms its own
+  micro-batch). Packing concatenates samples in one row with restarting ``position_ids`` and no
+  attention mask; transformers (>= 4.53) derives a block-diagonal causal mask from such position ids,
+  so packed samples do not attend to each other (a test compares packed and padded log-probs).
+
+Not covered: truncating samples that exceed ``max_seq_len`` (they are refused with the row named).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from flywheel.train.advantages import AdvantageScale, compute_advantages, soft_overlong_penalty
+from flywheel.train.objective import ObjectiveConfig
+
+REQUIRED_COLUMNS = (
+    "group_id", "prompt_token_ids", "completion_token_ids", "sampler_logprobs", "loss_mask",
+    "truncated", "reward",
+)
+
+
+class TrainDataError(ValueError):
+    """Training data is unusable; the message names the dataset/row and the reason."""
+
+
+@dataclass
+class TrainSample:
+    """One training sequence. ``loss_mask``/``sampler_logprobs`` align with ``completion_ids``."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+    advantage: float = 0.0
+    sampler_logprobs: list[float] | None = None
+    old_logprobs: list[float] | None = None  # filled by the trainer when the policy moved since sampling
+    reward: float = 0.0
+    group_id: str = ""
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(sum(1 for v in self.loss_mask if v))
+
+
+@dataclass
+class RolloutStats:
+    rows: int = 0
+    used: int = 0
+    infra_errors: int = 0
+    truncated: int = 0
+    groups: int = 0
+    zero_variance_groups: int = 0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    pass_rate: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def samples_from_rollouts(
+    table: pa.Table,
+    *,
+    scale: AdvantageScale = "group",
+    objective: ObjectiveConfig | None = None,
+    max_completion_len: int | None = None,
+    source: str = "rollouts",
+) -> tuple[list[TrainSample], RolloutStats]:
+    """Turn a rollout table (``schemas/rollouts.py``) into samples with recomputed advantages."""
+    objective = objective or ObjectiveConfig()
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise TrainDataError(f"{source}: missing rollout columns {missing} (see schemas/rollouts.py)")
+    stats = RolloutStats(rows=table.num_rows)
+    cols = table.to_pydict()
+    n = table.num_rows
+    infra = cols.get("infra_error") or [None] * n
+    keep = [i for i in range(n) if not infra[i]]
+    stats.infra_errors = n - len(keep)
+    samples: list[TrainSample] = []
+    for i in keep:
+        comp = [int(t) for t in cols["completion_token_ids"][i]]
+        mask = [int(v) for v in cols["loss_mask"][i]]
+        lps = [float(v) for v in cols["sampler_logprobs"][i]]
+        if len(mask) != len(comp) or len(lps) != len(comp):
+            raise TrainDataError(
+                f"{source} row {i} (group {cols['group_id'][i]}): completion_token_ids ({len(comp)}), "
+                f"loss_mask ({len(mask)}) and sampler_logprobs ({len(lps)}) must have the same length"
+            )
+        samples.append(
+            TrainSample(
+                prompt_ids=[int(t) for t in cols["prompt_token_ids"][i]],
+                completion_ids=comp,
+                loss_mask=mask,
+                sampler_logprobs=lps,
+                reward=float(cols["reward"][i]),
+                group_id=str(cols["group_id"][i]),
+                truncated=bool(cols["truncated"][i]),
+            )
+        )
+    stats.used = len(samples)
+    if not samples:
+        return samples, stats
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    if objective.overlong_cache > 0:
+        l_max = objective.max_completion_len or max_completion_len
+        if l_max is None:
+            raise TrainDataError("overlong_cache > 0 needs max_completion_len (objective or rollout config)")
+        lengths = torch.tensor([len(s.completion_ids) for s in samples])
+        rewards = rewards + soft_overlong_penalty(lengths, l_max, objective.overlong_cache)
+    groups = [s.group_id for s in samples]
+    adv = compute_advantages(rewards, groups, scale)
+    for s, a in zip(samples, adv.tolist(), strict=True):
+        s.advantage = a
+        if objective.overlong_filter and s.truncated:
+            s.loss_mask = [0] * len(s.loss_mask)
+    stats.truncated = sum(s.truncated for s in samples)
+    from flywheel.train.advantages import zero_variance_share
+
+    stats.groups = len(set(groups))
+    stats.zero_variance_groups = round(zero_variance_share(rewards, groups) * stats.groups)
+    raw = torch.tensor([s.reward for s in samples])
+    stats.reward_mean = float(raw.mean())
+    stats.reward_std = float(raw.std(unbiased=False))
+    if "passed" in cols:
+        stats.pass_rate = sum(bool(cols["passed"][i]) for i in keep) / len(keep)
+    return samples, stats
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs of a micro-batch plus the per-sequence completion layout.
+
+    The model sees ``input_ids [R, T]`` (R rows; with packing several sequences share a row). The
+    hidden state at flat position ``flat_pos[k]`` predicts ``targets[k]``, the k-th completion token of
+    the micro-batch, which lands at ``[seq_row[k], seq_col[k]]`` of the ``[S, C]`` per-sequence tensors
+    the losses consume (S sequences, C = longest completion).
+    """
+
+    input_ids: torch.Tensor  # [R, T] int64
+    attention_mask: torch.Tensor | None  # [R, T] (None when packed: position_ids carry the boundaries)
+    position_ids: torch.Tensor  # [R, T] int64
+    flat_pos: torch.Tensor  # [N] int64 index into the flattened [R*T] hidden states
+    targets: torch.Tensor  # [N] int64 completion token ids
+    seq_row: torch.Tensor  # [N] int64 sequence index in [0, S)
+    seq_col: torch.Tensor  # [N] int64 completion position in [0, C)
+    mask: torch.Tensor  # [S, C] float32 loss mask
+    advantages: torch.Tensor  # [S] float32
+    sampler_logp: torch.Tensor | None  # [S, C] float32
+    old_logp: torch.Tensor | None  # [S, C] float32
+    samples: list[TrainSample] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.input_ids.numel() if self.attention_mask is None else self.attention_mask.sum())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        def mv(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device, non_blocking=True)
+
+        return MicroBatch(
+            mv(self.input_ids), mv(self.attention_mask), mv(self.position_ids), mv(self.flat_pos),
+            mv(self.targets), mv(self.seq_row), mv(self.seq_col), mv(self.mask), mv(self.advantages),
+            mv(self.sampler_logp), mv(self.old_logp), self.samples,
+        )
+
+    def scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[N]`` per-completion-token values -> ``[S, C]`` (zeros elsewhere), differentiably."""
+        out = flat.new_zeros(self.mask.shape)
+        return out.index_put((self.seq_row, self.seq_col), flat)
+
+
+def _group(samples: Sequence[TrainSample], budget: int, packing: bool) -> list[list[TrainSample]]:
+    # Longest first: padded rows of similar length waste the least budget (first-fit decreasing).
+    order = sorted(samples, key=len, reverse=True)
+    groups: list[list[TrainSample]] = []
+    if packing:
+        loads: list[int] = []
+        for s in order:
+            for g, load in enumerate(loads):
+                if load + len(s) <= budget:
+                    groups[g].append(s)
+                    loads[g] += len(s)
+                    break
+            else:
+                groups.append([s])
+                loads.append(len(s))
+        return groups
+    cur: list[TrainSample] = []
+    for s in order:
+        # Sorted by decreasing length, so the first sample of `cur` sets the padded width.
+        width = len(cur[0]) if cur else len(s)
+        if cur and (len(cur) + 1) * width > budget:
+            groups.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def make_micro_batches(
+    samples: Sequence[TrainSample],
+    *,
+    token_budget: int,
+    packing: bool = False,
+    pad_id: int = 0,
+    max_seq_len: int | None = None,
+) -> list[MicroBatch]:
+    """Split ``samples`` into micro-batches of at most ``token_budget`` tokens (padded or packed)."""
+    for i, s in enumerate(samples):
+        if not s.completion_ids:
+            raise TrainDataError(f"sample {i} (group {s.group_id!r}) has an empty completion")
+        if not s.prompt_ids:
+            raise TrainDataError(f"sample {i} (group {s.group_id!r}) has an empty prompt: nothing predicts "
+                                 "its first completion token")
+        if max_seq_len is not None and len(s) > max_seq_len:
+            raise TrainDataError(f"sample {i} (group {s.group_id!r}) has {len(s)} tokens > max_seq_len {max_seq_len}")
+    return [_collate(g, packing=packing, pad_id=pad_id) for g in _group(samples, token_budget, packing)]
+
+
+def _collate(group: list[TrainSample], *, packing: bool, pad_id: int) -> MicroBatch:
+    S = len(group)
+    C = max(len(s.completion_ids) for s in group)
+    rows = [[s] for s in group] if not packing else [group]
+    T = max(sum(len(s) for s in row) for row in rows)
+    R = len(rows)
+    ids = torch.full((R, T), pad_id, dtype=torch.int64)
+    pos = torch.zeros((R, T), dtype=torch.int64)
+    att = torch.zeros((R, T), dtype=torch.int64)
+    flat_pos, targets, seq_row, seq_col = [], [], [], []
+    mask = torch.zeros((S, C), dtype=torch.float32)
+    sampler = torch.zeros((S, C), dtype=torch.float32)
+    old = torch.zeros((S, C), dtype=torch.float32)
+    have_sampler = all(s.sampler_logprobs is not None for s in group)
+    have_old = all(s.old_logprobs is not None for s in group)
+    k = 0
+    for r, row in enumerate(rows):
+        off = 0
+        for s in row:
+            toks = s.prompt_ids + s.completion_ids
+            n, p = len(toks), len(s.prompt_ids)
+            ids[r, off : off + n] = torch.tensor(toks)
+            pos[r, off : off + n] = torch.arange(n)
+            att[r, off : off + n] = 1
+            c = len(s.completion_ids)
+            # Hidden state at position p-1+j predicts completion token j.
+            flat_pos.extend(range(r * T + off + p - 1, r * T + off + p - 1 + c))
+            targets.extend(s.completion_ids)
+            seq_row.extend([k] * c)
+            seq_col.extend(range(c))
+            mask[k, :c] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            if have_sampler:
+                sampler[k, :c] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
+            if have_old:
+                old[k, :c] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+            off += n
+            k += 1
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=None if packing else att,
+        position_ids=pos,
+        flat_pos=torch.tensor(flat_pos, dtype=torch.int64),
+        targets=torch.tensor(targets, dtype=torch.int64),
+        seq_row=torch.tensor(seq_row, dtype=torch.int64),
+        seq_col=torch.tensor(seq_col, dtype=torch.int64),
+        mask=mask,
+        advantages=torch.tensor([s.advantage for s in group], dtype=torch.float32),
+        sampler_logp=sampler if have_sampler else None,
+        old_logp=old if have_old else None,
+        samples=list(group),
+    )
+
+
+def load_rollout_tables(store: Any, artifacts: Any, rollout_ids: Sequence[str]) -> list[tuple[str, pa.Table, dict]]:
+    """Resolve ``rollouts:<id>`` entities to their Parquet tables (hash-verified by the store).
+
+    Returns ``(entity_id, table, payload)`` per id; raises :class:`TrainDataError` naming the id when
+    it was never published or its artifact is missing.
+    """
+    out = []
+    for rid in rollout_ids:
+        eid = rid if rid.startswith("rollouts:") else f"rollouts:{rid}"
+        ent = store.entity(eid)
+        if ent is None or ent["last_type"] != "rollouts.published":
+            raise TrainDataError(f"{eid}: no rollouts.published event in the store")
+        payload = ent["state"]
+        art = payload.get("artifact") or {}
+        if not art.get("sha256"):
+            raise TrainDataError(f"{eid}: the rollouts.published payload names no artifact sha256")
+        table = artifacts.read_table(art["sha256"])
+        if art.get("rows") is not None and table.num_rows != int(art["rows"]):
+            raise TrainDataError(f"{eid}: artifact has {table.num_rows} rows, the event says {art['rows']}")
+        out.append((eid, table, payload))
+    return out

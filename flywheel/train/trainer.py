@@ -1,0 +1,510 @@
+"""The policy trainer: GRPO-family and SFT optimizer steps over token-budget micro-batches.
+
+One :class:`Trainer` owns a model (full fine-tuning or a peft LoRA adapter), AdamW, a linear
+warm-up + cosine schedule, gradient clipping, optional gradient checkpointing, bf16 autocast on CUDA,
+and optionally a DeepSpeed engine. :meth:`Trainer.step` runs one optimizer step over a batch of
+:class:`~flywheel.train.data.TrainSample` with gradient accumulation across micro-batches; the loss
+variant decides the normalisation (``flywheel.train.losses``), and the trainer supplies the global
+token/sequence counts (summed across data-parallel ranks) so split-invariant variants really are.
+
+Log-probs (old, reference and current) go through ``flywheel.kernels.fused_logprob`` by default:
+the backbone produces last hidden states, only completion positions are kept, and the fused kernel
+computes ``log softmax(h W^T / T)[target]`` without materialising ``[tokens, vocab]`` logits.
+``logprob_impl="naive"`` uses the full-logits reference (for A/B checks and the benchmark).
+Under ZeRO-3 the lm_head weight is partitioned, so it is gathered
+(``deepspeed.zero.GatheredParameters``) around each micro-batch's forward *and* backward.
+
+Multi-iteration GRPO (:func:`run_iterations`): ``rollout -> N optimizer steps -> refresh the sampler
+-> rollout`` for ``iterations`` rounds. The rollout stage plugs in through :data:`RolloutCallback`.
+
+Guarantees
+- Gradient accumulation reproduces the full-batch gradient for ``grpo``, ``dr_grpo``, ``dapo``,
+  ``gspo``, ``cispo`` and SFT (global normalisers); ``bnpo`` is the mean of micro-batch means by design.
+- LoRA training leaves every base weight bit-identical (tested).
+- With ``beta > 0`` and LoRA the reference policy is the base model with the adapter disabled (no
+  second copy); with full fine-tuning a frozen copy is kept.
+
+Not guaranteed
+- Bitwise reproducibility across devices or DeepSpeed stages (reduction order differs).
+- MFU is an estimate: ``6 * parameters * tokens / time / peak bf16 FLOP/s`` (Kaplan et al. 2020),
+  reported on CUDA for known GPUs only; it ignores attention FLOPs and LoRA's cheaper backward.
+- The ZeRO-3 lm_head gather is exercised only on multi-GPU runs; CI tests ZeRO-1 on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import pyarrow as pa
+import torch
+
+from flywheel.train.data import MicroBatch, TrainSample, make_micro_batches
+from flywheel.train.losses import LossInputs, compute_loss, sft_loss
+from flywheel.train.objective import ObjectiveConfig
+
+LogprobImpl = Literal["fused", "naive"]
+Objective = Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sft"]
+
+# Dense bf16 peak FLOP/s by GPU name substring (vendor datasheets), for the MFU estimate.
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40": 181e12, "L4": 121e12, "A10": 125e12}
+
+
+class RolloutCallback(Protocol):
+    """Produce a rollout table (``schemas/rollouts.py``) by sampling from ``policy``.
+
+    Called by :func:`run_iterations` once per round with the *current* trained model (a
+    ``transformers`` model, possibly a ``peft.PeftModel``; unwrapped from DeepSpeed), already in
+    eval mode. The callback refreshes its sampler from it: the HF backend samples in process from
+    this very object; an HTTP backend (vLLM) saves the adapter (``policy.save_pretrained(dir)``) and
+    hot-loads it through the server's LoRA endpoint before sampling. It must not modify the weights.
+    The trainer switches the model back to train mode afterwards.
+    """
+
+    def __call__(self, policy: Any) -> pa.Table: ...
+
+
+# -- model plumbing --------------------------------------------------------------------------------
+
+
+def unwrap(model: Any) -> Any:
+    """DeepSpeed engine / DDP / peft wrappers -> the ``*ForCausalLM`` module (LoRA layers included)."""
+    m = model
+    for _ in range(4):
+        if hasattr(m, "module") and not hasattr(m, "get_output_embeddings"):
+            m = m.module  # DeepSpeedEngine, DistributedDataParallel
+        elif hasattr(m, "get_base_model"):
+            m = m.get_base_model()  # PeftModel: the base model carries the injected LoRA layers
+        else:
+            break
+    return m
+
+
+def backbone_and_head(model: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The decoder stack (returns last hidden states) and the output projection of a causal LM."""
+    lm = unwrap(model)
+    head = lm.get_output_embeddings()
+    backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "model", None)
+    if backbone is None or head is None:
+        raise TypeError(f"{type(lm).__name__}: cannot find the decoder and lm_head of this model")
+    return backbone, head
+
+
+def _is_zero3(model: Any) -> bool:
+    return bool(getattr(model, "zero_optimization_stage", lambda: 0)() == 3)
+
+
+@contextlib.contextmanager
+def gathered_head(model: Any) -> Iterator[None]:
+    """Under ZeRO-3, materialise the full lm_head weight (read-only) for the fused kernel."""
+    if not _is_zero3(model):
+        yield
+        return
+    import deepspeed
+
+    _, head = backbone_and_head(model)
+    params = [p for p in head.parameters()]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
+def _logprob_fn(impl: LogprobImpl) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    from flywheel.kernels import fused_logprob
+
+    if impl == "fused":
+        return fused_logprob.fused_logprobs
+    if impl == "naive":
+        return fused_logprob.naive_logprobs
+    raise ValueError(f"unknown logprob_impl {impl!r}: expected 'fused' or 'naive'")
+
+
+def sequence_logprobs(
+    model: Any,
+    mb: MicroBatch,
+    *,
+    temperature: float = 1.0,
+    impl: LogprobImpl = "fused",
+    compute_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of each completion token: ``([S, C], [S, C] | None)`` float32.
+
+    Runs the backbone once, keeps the hidden states that predict completion tokens, and calls the
+    (fused) log-prob function with the lm_head weight. Differentiable when grad is enabled.
+    """
+    backbone, head = backbone_and_head(model)
+    out = backbone(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
+    )
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.flat_pos)
+    fn = _logprob_fn(impl)
+    with gathered_head(model):
+        logp, ent = fn(
+            h, head.weight, mb.targets, bias=getattr(head, "bias", None), temperature=temperature,
+            compute_entropy=compute_entropy,
+        )
+    return mb.scatter(logp), (mb.scatter(ent) if ent is not None else None)
+
+
+def apply_lora(model: Any, *, r: int, alpha: int, dropout: float = 0.0, target_modules: str | list[str] = "all-linear") -> Any:
+    """Wrap ``model`` in a trainable peft LoRA adapter (base weights frozen). ``r = 0``: unchanged.
+
+    ``all-linear`` adapts every linear layer of the blocks except the output layer (peft's rule),
+    the QLoRA recipe (Dettmers et al. 2023), which matches full fine-tuning better than q/v only.
+    """
+    if r <= 0:
+        return model
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if isinstance(model, PeftModel):
+        for n, p in model.named_parameters():
+            p.requires_grad_("lora_" in n)
+        return model
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def cosine_with_warmup(step: int, *, warmup: int, total: int, min_ratio: float = 0.0) -> float:
+    """LR multiplier: linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``.
+
+    ``step`` counts optimizer steps already taken (0 for the first update), as ``LambdaLR`` passes it.
+    """
+    if warmup > 0 and step < warmup:
+        return (step + 1) / (warmup + 1)
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def load_deepspeed_config(path: str | os.PathLike[str], *, grad_clip: float, bf16: bool) -> dict[str, Any]:
+    """Read a DeepSpeed JSON config and fill the values the trainer owns.
+
+    ``"auto"`` fields are replaced (as the HF integration does): micro-batch size 1 and gradient
+    accumulation 1 (the trainer accumulates token-budget micro-batches itself and marks the boundary
+    with ``set_gradient_accumulation_boundary``), ``gradient_clipping`` from the config, bf16 on CUDA.
+    """
+    cfg = json.loads(Path(path).read_text())
+
+    def fill(key: str, value: Any) -> None:
+        if cfg.get(key, "auto") == "auto":
+            cfg[key] = value
+
+    fill("train_micro_batch_size_per_gpu", 1)
+    fill("gradient_accumulation_steps", 1)
+    fill("gradient_clipping", grad_clip)
+    cfg.pop("train_batch_size", None) if cfg.get("train_batch_size") == "auto" else None
+    bf = cfg.setdefault("bf16", {})
+    if bf.get("enabled", "auto") == "auto":
+        bf["enabled"] = bf16
+    return cfg
+
+
+def _dist_sum(values: list[float]) -> list[float]:
+    """Sum across data-parallel ranks (no-op without an initialised process group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    if torch.distributed.get_backend() == "nccl":
+        t = t.cuda()
+    torch.distributed.all_reduce(t)
+    return t.cpu().tolist()
+
+
+def _world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+# -- the trainer -------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainerOptions:
+    """Everything :class:`Trainer` needs besides the model (built from ``TrainConfig`` by the stages)."""
+
+    objective: Objective = "dapo"
+    lr: float = 1e-5
+    total_steps: int = 8
+    warmup_steps: int = 1
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 4096
+    packing: bool = False
+    gradient_checkpointing: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    logprob_impl: LogprobImpl = "fused"
+    loss_config: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    max_completion_len: int | None = None
+    deepspeed: str | None = None
+    log_entropy: bool = True
+    pad_id: int = 0
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int  # tokens through the model (prompt + completion, no padding)
+    loss_tokens: int  # tokens with loss
+    seconds: float
+    tokens_per_s: float
+    stats: dict[str, float] = field(default_factory=dict)  # clip_frac, kl, entropy, reward_mean, ...
+
+    def flat(self) -> dict[str, float]:
+        d = {k: float(v) for k, v in self.__dict__.items() if k != "stats"}
+        d.update({k: float(v) for k, v in self.stats.items()})
+        return d
+
+
+class Trainer:
+    """Owns model, optimizer, schedule (and DeepSpeed engine). One :meth:`step` = one optimizer update."""
+
+    def __init__(self, model: Any, options: TrainerOptions, *, device: str | torch.device = "cpu"):
+        self.opt = options
+        self.device = torch.device(device)
+        self.use_cuda = self.device.type == "cuda"
+        model = apply_lora(model, r=options.lora_r, alpha=options.lora_alpha)
+        self.is_lora = options.lora_r > 0
+        if options.gradient_checkpointing:
+            # Non-reentrant checkpointing needs no input grads (LoRA freezes the embeddings).
+            unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            cfg = getattr(unwrap(model), "config", None)
+            if cfg is not None:
+                cfg.use_cache = False
+        model.to(self.device)
+        self.ref_model = None
+        if options.objective != "sft" and options.loss_config.beta > 0 and not self.is_lora:
+            self.ref_model = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("no trainable parameters (LoRA found no target modules?)")
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_trainable = sum(p.numel() for p in params)
+        optimizer = torch.optim.AdamW(params, lr=options.lr, betas=options.betas, weight_decay=options.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda s: cosine_with_warmup(
+                s, warmup=options.warmup_steps, total=options.total_steps, min_ratio=options.min_lr_ratio
+            ),
+        )
+        self.engine = None
+        if options.deepspeed:
+            import deepspeed
+
+            ds_cfg = load_deepspeed_config(options.deepspeed, grad_clip=options.grad_clip, bf16=self.use_cuda)
+            # torch's AdamW, not DeepSpeed's: the fused C++ op costs a ~30 s build on first use (FACTS.md).
+            self.engine, optimizer, _, sched = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=sched, config=ds_cfg
+            )
+            model = self.engine
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = sched
+        self.step_count = 0
+        self.model.train()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Any:
+        """The trained model without the DeepSpeed wrapper (a PeftModel with LoRA)."""
+        return self.engine.module if self.engine is not None else self.model
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.use_cuda:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logprobs(self, model: Any, mb: MicroBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self._autocast():
+            return sequence_logprobs(
+                model, mb, temperature=self.opt.loss_config.temperature, impl=self.opt.logprob_impl,
+                compute_entropy=entropy,
+            )
+
+    def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
+        if self.opt.objective == "sft" or self.opt.loss_config.beta == 0:
+            return None
+        with torch.no_grad():
+            if self.ref_model is not None:
+                return self._logprobs(self.ref_model, mb, False)[0]
+            with self.policy.disable_adapter():  # LoRA: the base model is the reference
+                return self._logprobs(self.policy, mb, False)[0]
+
+    def micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
+        return make_micro_batches(
+            samples, token_budget=self.opt.micro_batch_tokens, packing=self.opt.packing, pad_id=self.opt.pad_id
+        )
+
+    @torch.no_grad()
+    def compute_old_logprobs(self, samples: Sequence[TrainSample]) -> None:
+        """Fill ``sample.old_logprobs`` with the current policy's log-probs (before any update on them).
+
+        Needed when several optimizer steps use one rollout set: from the second step on, the policy
+        that produced the data is no longer the one being trained, and the ratio must compare to it.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        for mb in self.micro_batches(samples):
+            mb = mb.to(self.device)
+            logp, _ = self._logprobs(self.model, mb, False)
+            for k, s in enumerate(mb.samples):
+                s.old_logprobs = logp[k, : len(s.completion_ids)].float().cpu().tolist()
+        self.model.train(was_training)
+
+    # -- one optimizer step ----------------------------------------------------------------------
+    def step(self, samples: Sequence[TrainSample]) -> StepMetrics:
+        """One optimizer update over ``samples`` (gradient accumulation across micro-batches)."""
+        if not samples:
+            raise ValueError("Trainer.step: empty batch")
+        t0 = time.perf_counter()
+        mbs = self.micro_batches(samples)
+        n_tok, n_seq = _dist_sum([float(sum(s.n_loss_tokens for s in samples)), float(len(samples))])
+        world = _world_size()
+        self.model.train()
+        total_loss = 0.0
+        agg: dict[str, float] = {}
+        agg_w = 0.0
+        tokens = 0
+        for i, mb in enumerate(mbs):
+            mb = mb.to(self.device)
+            tokens += mb.n_tokens
+            if self.engine is not None:
+                self.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            ref = self._ref_logprobs(mb)
+            with gathered_head(self.model):
+                logp, ent = self._logprobs(self.model, mb, self.opt.log_entropy)
+                inp = LossInputs(
+                    logp=logp, mask=mb.mask, advantages=mb.advantages, old_logp=mb.old_logp, ref_logp=ref,
+                    sampler_logp=mb.sampler_logp, entropy=ent.detach() if ent is not None else None,
+                    num_tokens=n_tok, num_sequences=int(n_seq), num_micro_batches=len(mbs),
+                    max_completion_len=self.opt.max_completion_len, dp_world_size=world,
+                )
+                out = sft_loss(inp) if self.opt.objective == "sft" else compute_loss(
+                    self.opt.objective, inp, self.opt.loss_config
+                )
+                if self.engine is not None:
+                    # Our losses are already normalised over the whole step: no 1/GAS scaling.
+                    self.engine.backward(out.loss, scale_wrt_gas=False)
+                else:
+                    out.loss.backward()
+            total_loss += float(out.loss.detach())
+            for k, v in out.stats.items():
+                agg[k] = agg.get(k, 0.0) + v * out.tokens
+            agg_w += out.tokens
+        lr = float(self.scheduler.get_last_lr()[0])
+        if self.engine is not None:
+            self.engine.step()  # clips (gradient_clipping), steps optimizer and scheduler, zeroes grads
+            gn = self.engine.get_global_grad_norm()
+            grad_norm = float(gn) if gn is not None else float("nan")
+        else:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.opt.grad_clip))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        if self.use_cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        stats = {k: v / max(agg_w, 1.0) for k, v in agg.items()}
+        rewards = torch.tensor([s.reward for s in samples])
+        if self.opt.objective != "sft":
+            stats["reward_mean"] = float(rewards.mean())
+            stats["reward_std"] = float(rewards.std(unbiased=False))
+        if self.use_cuda:
+            name = torch.cuda.get_device_name(self.device)
+            peak = next((v for k, v in _PEAK_BF16.items() if k in name), None)
+            if peak:
+                stats["mfu"] = 6.0 * self.n_params * tokens / dt / peak
+        return StepMetrics(
+            step=self.step_count, loss=total_loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
+            loss_tokens=int(sum(s.n_loss_tokens for s in samples)), seconds=dt, tokens_per_s=tokens / dt,
+            stats=stats,
+        )
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Save the adapter (LoRA: ``adapter_config.json`` + ``adapter_model.safetensors``) or the full model."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.policy.save_pretrained(str(out))
+        return out
+
+
+def batches(samples: Sequence[TrainSample], batch_size: int, steps: int, *, seed: int = 0) -> Iterator[list[TrainSample]]:
+    """``steps`` batches of ``batch_size`` samples: shuffled passes over the data, whole groups kept.
+
+    Groups (same ``group_id``) stay together so each step sees complete GRPO groups; a pass is
+    reshuffled with a seeded generator, so runs are reproducible.
+    """
+    by_group: dict[str, list[TrainSample]] = {}
+    for s in samples:
+        by_group.setdefault(s.group_id, []).append(s)
+    groups = list(by_group.values())
+    if not groups:
+        return
+    g = torch.Generator().manual_seed(seed)
+    produced = 0
+    while produced < steps:
+        order = torch.randperm(len(groups), generator=g).tolist()
+        cur: list[TrainSample] = []
+        for gi in order:
+            cur.extend(groups[gi])
+            if len(cur) >= batch_size:
+                yield cur
+                produced += 1
+                cur = []
+                if produced >= steps:
+                    return
+        if cur:
+            yield cur
+            produced += 1
+
+
+def run_iterations(
+    trainer: Trainer,
+    rollout: RolloutCallback,
+    to_samples: Callable[[pa.Table], list[TrainSample]],
+    *,
+    iterations: int,
+    steps_per_iteration: int,
+    batch_size: int,
+    seed: int = 0,
+    on_step: Callable[[int, StepMetrics], None] | None = None,
+) -> list[StepMetrics]:
+    """Multi-iteration GRPO: ``rollout -> N steps -> refresh sampler -> rollout`` for ``iterations`` rounds.
+
+    ``rollout(policy)`` (see :class:`RolloutCallback`) samples from the current policy; the table is
+    turned into samples by ``to_samples`` (usually :func:`flywheel.train.data.samples_from_rollouts`).
+    When ``steps_per_iteration > 1`` the old log-probs are computed once before the first update, so
+    later steps' ratios compare against the policy that sampled.
+    """
+    history: list[StepMetrics] = []
+    for it in range(iterations):
+        trainer.policy.eval()
+        table = rollout(trainer.policy)
+        trainer.policy.train()
+        samples = to_samples(table)
+        if not samples:
+            continue
+        if steps_per_iteration > 1:
+            trainer.compute_old_logprobs(samples)
+        for batch in batches(samples, batch_size, steps_per_iteration, seed=seed + it):
+            m = trainer.step(batch)
+            history.append(m)
+            if on_step is not None:
+                on_step(it, m)
+    return history
