@@ -1,0 +1,801 @@
+"""Failures -> evals -> suites: the compiler from production failures to verifiable tasks.
+
+One eval case per distinct failure (ingest already deduplicated them), with a verifier derived from
+the failure kind, a stable train/held-out split by failure cluster (:mod:`flywheel.split`), and
+versioned suites. Successful traces become regression evals in their own suite.
+
+The task record (the contract rollouts, synth, SFT and the gate consume)
+------------------------------------------------------------------------
+A JSON-serialisable dict::
+
+    {"task_id": "eval:<16 hex>",
+     "prompt": {"messages": [...OpenAI messages...], "tools": [...OpenAI function specs...]},
+     "verifier": <verifier spec, see flywheel.verifiers>,
+     "harness": "single_turn" | "tool_loop",
+     "tool_env": null | {"recorded": [{"name", "arguments", "content"}], "python": <source> | null,
+                         "replay": bool},
+     "reference": {"tool_calls": [{"name", "arguments"}]} | {"content": str} | null,
+     "metadata": {"failure_kinds", "tools": [names], "source", "split", "cluster", "origin_failure",
+                  "origin_trace", "weak", "deterministic", "verifier_kind", "request_hash"}}
+
+- ``reference`` is one concrete correct answer when one is known (from a correction: each argument's
+  literal, or the first allowed value of a ``one_of``; optional arguments are omitted unless the tool
+  schema requires them, as :func:`flywheel.verifiers.bfcl.reference_calls` does). SFT renders it with
+  :func:`flywheel.policy.format.render_answer`; synth uses it to prove a variant solvable.
+- ``tool_env`` is for :mod:`flywheel.envs.harness`: recorded tool outputs matched by tool name and
+  arguments, or Python source defining one function per tool, run in the sandbox. ``replay``: the
+  harness executes the answer's calls against ``python`` and fails the episode if one raises
+  (``runtime_exception`` evals). Regression evals from multi-turn traces use a ``tool_call`` spec
+  with ``scope: "all"``: every call the model makes during the episode is matched as one answer.
+- ``metadata.split``: ``train`` | ``heldout`` | ``excluded`` (bridges both sides, see
+  :mod:`flywheel.split`) | ``regression``. ``weak``: the verifier checks validity only (no
+  correction was known). ``deterministic``: false for ``llm_judge``.
+
+Verifier per failure kind (first rule that applies)
+---------------------------------------------------
+=========================================  =====================================================
+``test_failure`` with tests                ``python_tests`` on the trace's tests (sandboxed)
+``runtime_exception`` with tool code       ``tool_call`` (+ correction) and a sandboxed replay of
+                                           the answer's calls that must not raise
+tool-call kinds, ``runtime_exception``     ``tool_call``: valid calls against the declared schemas;
+(no code), ``invalid_json`` on a call      with a correction, the calls must match it (names,
+                                           required args, values among the allowed ones,
+                                           order-insensitive). No correction -> validity only, weak.
+``invalid_json`` on content                ``json_schema`` with the response format's schema (weak
+                                           ``{}`` = any JSON when the trace has none)
+``negative_feedback`` (nothing else)       ``llm_judge`` rubric from the feedback; non-deterministic
+``other`` with a correction                ``tool_call`` / ``exact`` against the correction
+=========================================  =====================================================
+
+Why ``invalid_json`` on a *tool call* compiles to ``tool_call``: the shared answer format is BFCL's
+pythonic ``[fn(a=1)]`` (:mod:`flywheel.policy.format`), so a model never writes the arguments as
+JSON text; the JSON Schema that matters is the tool's ``parameters`` schema, which ``tool_call``
+enforces strictly (types, required, enums). A content answer that had to be JSON gets
+``json_schema``.
+
+Events and guarantees
+---------------------
+- ``eval.created`` on ``eval:<id>`` where ``id = sha256(origin)[:16]`` (origin = the failure or
+  trace entity id): payload = the task record + ``entity_id``, ``split``, ``cluster``,
+  ``origin_failure``, ``failure_kinds``, ``tools``, ``verifier_kind``, ``compiler_version``;
+  causation = the failure (or the successful trace).
+- A failure's split is dealt once and reused from its recorded event forever; recompiling a failure
+  whose payload changed (say a correction arrived) appends a new ``eval.created`` on the same stream
+  with the same split and cluster.
+- ``suite.versioned`` on ``suite:<name>``: payload ``{entity_id: "suite:<name>@N", name, version,
+  artifact, members, version_hash}``, causation = member eval ids. The artifact is JSON
+  ``{"kind": "suite", "name", "version_hash", "members": [task records sorted by task_id]}``.
+- Rebuilding from the same inputs appends nothing: unchanged evals are skipped, and a suite whose
+  ``version_hash`` (sha256 of its canonical member records) equals its latest version's is not
+  versioned again. Appends use ``expected_version`` (optimistic concurrency): a concurrent build
+  gets :class:`flywheel.store.ConcurrencyError` and nothing half-written.
+- The held-out suite excludes non-deterministic evals unless ``evals.include_llm_judge_in_gate``;
+  the regression suite likewise.
+
+Not guaranteed: that a correction supplied by a person is itself right (it is trusted); that a
+weak (validity-only) eval distinguishes a wrong value from a right one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from flywheel.split import REQUEST_TEXT_VERSION, SplitIndex, request_hash, request_text
+from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore, canonical_json
+
+COMPILER_VERSION = 1
+
+TOOL_CALL_KINDS = (
+    "unknown_tool",
+    "missing_required_arg",
+    "wrong_arg_type",
+    "wrong_arg_value",
+    "no_tool_call",
+    "extra_tool_call",
+)
+SUITES = ("train", "heldout", "regression")
+TASK_KEYS = ("task_id", "prompt", "verifier", "harness", "tool_env", "reference", "metadata")
+HARNESSES = ("single_turn", "tool_loop")
+
+__all__ = [
+    "COMPILER_VERSION",
+    "CompileSkip",
+    "EvalsSummary",
+    "Suite",
+    "build_evals",
+    "compile_failure",
+    "compile_success",
+    "eval_id",
+    "load_suite",
+    "reference_from_correction",
+    "suite_version_hash",
+    "task_from_state",
+    "validate_task",
+]
+
+
+class CompileSkip(ValueError):
+    """A failure or trace cannot become an eval; the message says why (reported, never fatal)."""
+
+
+class TaskError(ValueError):
+    """A task record breaks the contract; the message names the task and the field."""
+
+
+# --------------------------------------------------------------------------------- helpers
+def eval_id(origin: str) -> str:
+    """Stable eval id for an origin entity (``failure:...`` or ``trace:...``)."""
+    return "eval:" + hashlib.sha256(origin.encode()).hexdigest()[:16]
+
+
+def _tool_name(tool: dict) -> str:
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    return str(fn.get("name", ""))
+
+
+def _tool_params(tool: dict) -> dict:
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    params = fn.get("parameters")
+    return params if isinstance(params, dict) else {"type": "object", "properties": {}}
+
+
+def _is_one_of(v: Any) -> bool:
+    return isinstance(v, dict) and "one_of" in v and isinstance(v["one_of"], list)
+
+
+def reference_from_correction(correction: dict | None, tools: list[dict] | None = None) -> dict | None:
+    """One concrete correct answer from a correction (see the module docstring).
+
+    Literals are kept; a ``one_of`` gives its first value (``""``/``None`` entries are BFCL's
+    "may be omitted" markers, never values); an optional argument is omitted unless the tool schema
+    requires it (the verifier requires schema-required arguments whatever the correction says), as
+    :func:`flywheel.verifiers.bfcl.reference_calls` does.
+    """
+    if not correction:
+        return None
+    if isinstance(correction.get("tool_calls"), list):
+        required = {
+            _tool_name(t): set(_tool_params(t).get("required") or []) for t in tools or [] if isinstance(t, dict)
+        }
+        calls = []
+        for call in correction["tool_calls"]:
+            args = {}
+            for name, spec in (call.get("arguments") or {}).items():
+                if not _is_one_of(spec):
+                    args[name] = spec
+                    continue
+                concrete = [v for v in spec["one_of"] if v not in ("", None)]
+                schema_required = name in required.get(call["name"], set())
+                if spec.get("optional") and not schema_required:
+                    continue
+                if concrete:
+                    args[name] = concrete[0]
+                elif spec["one_of"]:
+                    args[name] = spec["one_of"][0]
+            calls.append({"name": call["name"], "arguments": args})
+        return {"tool_calls": calls}
+    if "content" in correction and correction["content"] is not None:
+        return {"content": str(correction["content"])}
+    return None
+
+
+def _message_calls(message: dict | None) -> list[dict] | None:
+    """OpenAI ``tool_calls`` of an assistant message as ``[{name, arguments(dict)}]``.
+
+    ``None`` when the message has no calls or an argument string is not valid JSON.
+    """
+    if not isinstance(message, dict) or not message.get("tool_calls"):
+        return None
+    out = []
+    for tc in message["tool_calls"]:
+        fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        out.append({"name": str(fn.get("name", "")), "arguments": args})
+    return out
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _last_user(messages: list[dict]) -> str:
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            return _text(m.get("content"))
+    return ""
+
+
+def _response_schema(failure: dict) -> dict | None:
+    """The JSON Schema a content answer had to follow, when the trace carried one."""
+    for holder in (failure, failure.get("metadata") or {}):
+        rf = holder.get("response_format")
+        if isinstance(rf, dict):
+            if isinstance(rf.get("json_schema"), dict):
+                js = rf["json_schema"]
+                return js.get("schema") if isinstance(js.get("schema"), dict) else js
+            if rf.get("type") == "json_object":
+                return {"type": "object"}
+            if "type" in rf or "properties" in rf:
+                return rf
+        if isinstance(holder.get("json_schema"), dict):
+            return holder["json_schema"]
+    return None
+
+
+def _tool_code(failure: dict, trace_state: dict | None) -> str | None:
+    """Python source implementing the tools, when the trace carries it (``metadata.tool_code``)."""
+    for holder in (failure, failure.get("metadata") or {}, trace_state or {}, (trace_state or {}).get("metadata") or {}):
+        code = holder.get("tool_code") if isinstance(holder, dict) else None
+        if isinstance(code, str) and code.strip():
+            return code
+    return None
+
+
+def _tool_call_spec(tools: list[dict], expected: list[dict] | None) -> dict:
+    return {"kind": "tool_call", "tools": tools, "expected": expected, "order_sensitive": False}
+
+
+def _judge_rubric(messages: list[dict], bad: dict | None, feedback: dict | None, reference: dict | None) -> str:
+    comment = (feedback or {}).get("comment") or "no comment given"
+    score = (feedback or {}).get("score")
+    bad_text = _text((bad or {}).get("content"))
+    if (bad or {}).get("tool_calls"):
+        bad_text += " " + json.dumps(bad["tool_calls"], ensure_ascii=False)
+    lines = [
+        "Judge whether the assistant's final answer serves the user's request.",
+        f"User request: {_last_user(messages)}",
+        f"A previous answer was rated negatively (score {score}): {comment}",
+        f"That previous answer was: {bad_text.strip() or '(empty)'}",
+        "PASS only if the new answer addresses the request correctly and does not repeat the problem the "
+        "feedback describes. FAIL otherwise.",
+    ]
+    if reference and reference.get("content"):
+        lines.append(f"A known good answer: {reference['content']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------- compiling
+def _check_spec(origin: str, spec: dict) -> None:
+    """A spec the verifier library would refuse is a compile skip, not a runtime crash later."""
+    from flywheel.verifiers import SpecError, validate_spec
+
+    try:
+        validate_spec(spec)
+    except SpecError as e:
+        raise CompileSkip(f"{origin}: invalid verifier spec ({e})") from None
+
+
+def compile_failure(failure: dict, *, trace_state: dict | None = None) -> dict:
+    """Compile a ``failure.classified`` payload into a task record *without* its split.
+
+    ``trace_state``: the state of the failure's first trace (consulted for ``metadata.tool_code``).
+    Raises :class:`CompileSkip` when no verifier can be derived.
+    """
+    fid = failure.get("entity_id")
+    if not fid:
+        raise CompileSkip("failure payload has no entity_id")
+    kinds = [str(k) for k in failure.get("kinds") or []]
+    messages = failure.get("messages") or []
+    tools = failure.get("tools") or []
+    if not messages:
+        raise CompileSkip(f"{fid}: no prompt messages")
+    if not any(m.get("role") == "user" for m in messages if isinstance(m, dict)):
+        raise CompileSkip(f"{fid}: prompt has no user message")
+    correction = failure.get("correction") or None
+    bad = failure.get("bad_answer")
+    expected_calls = correction.get("tool_calls") if isinstance(correction, dict) else None
+    if isinstance(correction, dict) and "content" in correction and expected_calls is None:
+        expected_calls_for_tools: list[dict] | None = []  # the right answer was text: no calls
+    else:
+        expected_calls_for_tools = expected_calls
+    reference = reference_from_correction(correction, tools)
+    tool_env = None
+    weak = False
+    deterministic = True
+
+    if "test_failure" in kinds and failure.get("tests"):
+        spec = {"kind": "python_tests", "tests": str(failure["tests"])}
+        vkind = "python_tests"
+    elif "runtime_exception" in kinds and tools and _tool_code(failure, trace_state):
+        spec = _tool_call_spec(tools, expected_calls_for_tools)
+        tool_env = {"recorded": [], "python": _tool_code(failure, trace_state), "replay": True}
+        vkind = "tool_call+replay"
+        weak = expected_calls_for_tools is None
+    elif tools and (
+        set(kinds) & {*TOOL_CALL_KINDS, "runtime_exception"}
+        or ("invalid_json" in kinds and (bad or {}).get("tool_calls"))
+    ):
+        if "wrong_arg_value" in kinds and expected_calls_for_tools is None:
+            raise CompileSkip(f"{fid}: wrong_arg_value without a correction cannot be checked")
+        spec = _tool_call_spec(tools, expected_calls_for_tools)
+        vkind = "tool_call"
+        weak = expected_calls_for_tools is None
+    elif "invalid_json" in kinds:
+        schema = _response_schema(failure)
+        weak = schema is None
+        spec = {"kind": "json_schema", "schema": schema if schema is not None else {}}
+        vkind = "json_schema"
+    elif "negative_feedback" in kinds:
+        spec = {"kind": "llm_judge", "rubric": _judge_rubric(messages, bad, failure.get("feedback"), reference)}
+        if reference and reference.get("content"):
+            spec["reference"] = reference["content"]
+        vkind = "llm_judge"
+        deterministic = False
+    elif reference is not None:  # 'other' (or a kind with no rule) but a person said what is right
+        if "tool_calls" in reference:
+            spec = _tool_call_spec(tools, expected_calls)
+            vkind = "tool_call"
+        else:
+            spec = {"kind": "exact", "expected": reference["content"]}
+            vkind = "exact"
+    else:
+        raise CompileSkip(f"{fid}: no verifier for kinds {kinds or ['<none>']} without a correction")
+
+    _check_spec(fid, spec)
+    return {
+        "task_id": eval_id(fid),
+        "prompt": {"messages": messages, "tools": tools},
+        "verifier": spec,
+        "harness": "single_turn",
+        "tool_env": tool_env,
+        "reference": reference,
+        "metadata": {
+            "failure_kinds": kinds,
+            "tools": sorted({_tool_name(t) for t in tools} - {""}),
+            "source": failure.get("source"),
+            "origin_failure": fid,
+            "origin_trace": (failure.get("trace_ids") or [None])[0],
+            "weak": weak,
+            "deterministic": deterministic,
+            "verifier_kind": vkind,
+            "request_hash": request_hash(request_text(messages, tools)),
+        },
+    }
+
+
+def _trace_fields(state: dict) -> tuple[list[dict], list[dict], dict]:
+    """(messages, tools, outcome) of a ``trace.ingested`` payload, tolerant of nesting."""
+    trace = state.get("trace") if isinstance(state.get("trace"), dict) else state
+    messages = trace.get("messages") or []
+    tools = trace.get("tools") or []
+    outcome = trace.get("outcome") if isinstance(trace.get("outcome"), dict) else {}
+    return messages, tools, outcome
+
+
+def trace_status(state: dict) -> str | None:
+    _, _, outcome = _trace_fields(state)
+    trace = state.get("trace") if isinstance(state.get("trace"), dict) else state
+    return state.get("status") or trace.get("status") or outcome.get("status")
+
+
+def compile_success(trace_id: str, state: dict) -> dict:
+    """Compile a successful trace into a regression task record (the recorded answer must verify).
+
+    - final answer = tool calls, no tool turn after the last user turn -> single turn, ``tool_call``
+      with the recorded calls as literal expectations;
+    - tool calls answered by tool turns, then a final text answer -> ``tool_loop`` with the
+      recorded tool outputs as the environment, verified on the calls the model makes
+      (``tool_call`` over the trajectory's calls);
+    - code answers with tests -> ``python_tests``;
+    - free text with nothing to check deterministically -> ``llm_judge`` against the recorded
+      answer (non-deterministic; kept out of the gate suite unless configured).
+    """
+    messages, tools, outcome = _trace_fields(state)
+    if not messages:
+        raise CompileSkip(f"{trace_id}: no messages")
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last_user is None:
+        raise CompileSkip(f"{trace_id}: no user message")
+    episode = messages[last_user + 1 :]
+    if not episode or episode[-1].get("role") != "assistant":
+        raise CompileSkip(f"{trace_id}: the trace does not end with an assistant answer")
+    prompt = messages[: last_user + 1]
+    final = episode[-1]
+    tool_env = None
+    harness = "single_turn"
+    deterministic = True
+    all_calls: list[dict] = []
+    recorded: list[dict] = []
+    by_id: dict[str, dict] = {}
+    for m in episode:
+        if m.get("role") == "assistant":
+            calls = _message_calls(m)
+            if m.get("tool_calls") and calls is None:
+                raise CompileSkip(f"{trace_id}: a recorded call has unparseable arguments")
+            for tc, call in zip(m.get("tool_calls") or [], calls or [], strict=False):
+                all_calls.append(call)
+                by_id[str(tc.get("id"))] = call
+        elif m.get("role") == "tool":
+            call = by_id.get(str(m.get("tool_call_id")))
+            if call is None and m.get("name"):
+                call = next((c for c in reversed(all_calls) if c["name"] == m["name"]), None)
+            if call is not None:
+                recorded.append({"name": call["name"], "arguments": call["arguments"], "content": _text(m.get("content"))})
+
+    if outcome.get("tests"):
+        spec = {"kind": "python_tests", "tests": str(outcome["tests"])}
+        reference = {"content": _text(final.get("content"))}
+        vkind = "python_tests"
+    elif len(episode) == 1 and _message_calls(final):
+        calls = _message_calls(final) or []
+        spec = _tool_call_spec(tools, calls)
+        reference = {"tool_calls": calls}
+        vkind = "tool_call"
+    elif all_calls and recorded:
+        harness = "tool_loop"
+        tool_env = {"recorded": recorded, "python": None, "replay": False}
+        spec = {**_tool_call_spec(tools, all_calls), "scope": "all"}
+        reference = {"tool_calls": all_calls}
+        vkind = "tool_call"
+    else:
+        answer = _text(final.get("content"))
+        if not answer.strip():
+            raise CompileSkip(f"{trace_id}: empty final answer")
+        spec = {
+            "kind": "llm_judge",
+            "rubric": "PASS if the answer is as correct and helpful as the reference answer for the user's "
+            f"request, FAIL otherwise.\nUser request: {_last_user(prompt)}",
+            "reference": answer,
+        }
+        reference = {"content": answer}
+        vkind = "llm_judge"
+        deterministic = False
+    _check_spec(trace_id, spec)
+    return {
+        "task_id": eval_id(trace_id),
+        "prompt": {"messages": prompt, "tools": tools},
+        "verifier": spec,
+        "harness": harness,
+        "tool_env": tool_env,
+        "reference": reference,
+        "metadata": {
+            "failure_kinds": [],
+            "tools": sorted({_tool_name(t) for t in tools} - {""}),
+            "source": state.get("source"),
+            "origin_failure": None,
+            "origin_trace": trace_id,
+            "weak": False,
+            "deterministic": deterministic,
+            "verifier_kind": vkind,
+            "request_hash": request_hash(request_text(prompt, tools)),
+        },
+    }
+
+
+def validate_task(task: Any) -> dict:
+    """Check a task record against the contract; raise :class:`TaskError` naming what is wrong."""
+    if not isinstance(task, dict):
+        raise TaskError(f"a task must be a dict, got {type(task).__name__}")
+    tid = task.get("task_id", "<no task_id>")
+    missing = [k for k in ("task_id", "prompt", "verifier", "harness") if k not in task]
+    if missing:
+        raise TaskError(f"task {tid}: missing {', '.join(missing)}")
+    if not isinstance(task["task_id"], str) or ":" not in task["task_id"]:
+        raise TaskError(f"task {tid}: task_id must be a typed id like 'eval:<id>' or 'synth:<id>'")
+    p = task["prompt"]
+    if not isinstance(p, dict) or not isinstance(p.get("messages"), list) or not p["messages"]:
+        raise TaskError(f"task {tid}: prompt.messages must be a non-empty list")
+    if not isinstance(p.get("tools", []), list):
+        raise TaskError(f"task {tid}: prompt.tools must be a list")
+    if not isinstance(task["verifier"], dict) or not task["verifier"].get("kind"):
+        raise TaskError(f"task {tid}: verifier must be a spec dict with a 'kind'")
+    if task["harness"] not in HARNESSES:
+        raise TaskError(f"task {tid}: harness must be one of {HARNESSES}, got {task['harness']!r}")
+    if task["harness"] == "tool_loop":
+        env = task.get("tool_env")
+        if not isinstance(env, dict) or not (env.get("recorded") or env.get("python")):
+            raise TaskError(f"task {tid}: a tool_loop task needs tool_env.recorded or tool_env.python")
+    try:
+        canonical_json(task)
+    except (TypeError, ValueError) as e:
+        raise TaskError(f"task {tid}: not JSON-serialisable: {e}") from None
+    out = {k: task.get(k) for k in TASK_KEYS}
+    out["metadata"] = dict(task.get("metadata") or {})
+    return out
+
+
+def task_from_state(state: dict) -> dict:
+    """The task record inside an ``eval.created`` payload (the payload minus event-only keys)."""
+    return {k: state.get(k) for k in TASK_KEYS}
+
+
+# --------------------------------------------------------------------------------- suites
+@dataclass
+class Suite:
+    entity_id: str
+    name: str
+    version: int
+    version_hash: str
+    tasks: list[dict]
+    artifact: dict = field(default_factory=dict)
+
+    @property
+    def task_ids(self) -> list[str]:
+        return [t["task_id"] for t in self.tasks]
+
+
+def suite_version_hash(name: str, members: list[dict]) -> str:
+    body = canonical_json({"name": name, "members": sorted(members, key=lambda t: t["task_id"])})
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def _parse_ref(ref: str, kind: str) -> tuple[str, int | None]:
+    """``"train"`` / ``"train@3"`` / ``"suite:train@3"`` -> ("train", 3 or None)."""
+    if ref.startswith(kind + ":"):
+        ref = ref[len(kind) + 1 :]
+    name, _, ver = ref.partition("@")
+    if not name:
+        raise ValueError(f"empty {kind} name in {ref!r}")
+    if ver:
+        try:
+            v = int(ver)
+        except ValueError:
+            raise ValueError(f"{kind} reference {ref!r}: version must be an integer") from None
+        if v < 1:
+            raise ValueError(f"{kind} reference {ref!r}: versions start at 1")
+        return name, v
+    return name, None
+
+
+def versioned_event(store: EventStore, kind: str, type_: str, ref: str):
+    """The ``<kind>.versioned`` event for ``name`` (latest) or ``name@N``; ``None`` if absent."""
+    name, version = _parse_ref(ref, kind)
+    events = store.read(stream=f"{kind}:{name}", types=type_)
+    if not events:
+        return None
+    if version is None:
+        return events[-1]
+    for e in events:
+        if e.payload.get("version") == version:
+            return e
+    return None
+
+
+def load_suite(store: EventStore, artifacts: Any, ref: str) -> Suite:
+    """Load ``"heldout"`` (latest version), ``"heldout@3"`` or ``"suite:heldout@3"``.
+
+    Raises ``LookupError`` naming the suite when it has no such version. The artifact is hash
+    verified on read (:class:`flywheel.artifacts.ArtifactCorruptError` if it was tampered with).
+    """
+    ev = versioned_event(store, "suite", "suite.versioned", ref)
+    if ev is None:
+        raise LookupError(f"suite {ref!r} has no such version; run `flywheel evals build` first")
+    p = ev.payload
+    body = artifacts.read_json(p["artifact"]["sha256"])
+    return Suite(p["entity_id"], p["name"], int(p["version"]), p["version_hash"], body["members"], p["artifact"])
+
+
+def _version_suite(
+    store: EventStore, artifacts: Any, name: str, members: list[dict], correlation_id: str | None
+) -> tuple[str, bool]:
+    """Append a new suite version unless the latest has the same hash. Returns (entity id, new?)."""
+    members = sorted(members, key=lambda t: t["task_id"])
+    vh = suite_version_hash(name, members)
+    stream = f"suite:{name}"
+    latest = store.read(stream=stream, types="suite.versioned")
+    if latest and latest[-1].payload.get("version_hash") == vh:
+        return latest[-1].payload["entity_id"], False
+    current = store.stream_version(stream)
+    version = (latest[-1].payload["version"] + 1) if latest else 1
+    ref = artifacts.put_json({"kind": "suite", "name": name, "version_hash": vh, "members": members})
+    entity = f"suite:{name}@{version}"
+    payload = {
+        "entity_id": entity,
+        "name": name,
+        "version": version,
+        "artifact": ref.to_dict(),
+        "members": len(members),
+        "version_hash": vh,
+    }
+    from flywheel.store import NewEvent
+
+    store.append(
+        stream,
+        NewEvent("suite.versioned", payload, [t["task_id"] for t in members]),
+        expected_version=current,
+        correlation_id=correlation_id,
+    )
+    return entity, True
+
+
+# --------------------------------------------------------------------------------- the stage
+@dataclass
+class EvalsSummary:
+    """What one ``build_evals`` did. ``created``/``updated`` count evals by verifier kind."""
+
+    created: dict[str, int] = field(default_factory=dict)
+    updated: dict[str, int] = field(default_factory=dict)
+    unchanged: int = 0
+    splits: dict[str, int] = field(default_factory=dict)
+    suites: list[dict] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    excluded_from_gate: int = 0
+    events_appended: int = 0
+
+    @property
+    def n_created(self) -> int:
+        return sum(self.created.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "created": dict(self.created),
+            "updated": dict(self.updated),
+            "unchanged": self.unchanged,
+            "splits": dict(self.splits),
+            "suites": list(self.suites),
+            "skipped": list(self.skipped),
+            "skipped_by_reason": dict(Counter(s["reason_kind"] for s in self.skipped)),
+            "excluded_from_gate": self.excluded_from_gate,
+            "events_appended": self.events_appended,
+        }
+
+
+def _successful_traces(store: EventStore) -> list[tuple[str, dict]]:
+    """Successful ``trace:`` entities, filtered in SQL so failures' payloads are never parsed."""
+    rows = store.con.execute(
+        """
+        SELECT entity_id, state FROM entities
+        WHERE kind = 'trace' AND last_type = 'trace.ingested' AND coalesce(
+            json_extract_string(state, '$.status'),
+            json_extract_string(state, '$.outcome.status'),
+            json_extract_string(state, '$.trace.outcome.status')) = 'success'
+        ORDER BY first_seq
+        """
+    ).fetchall()
+    return [(r[0], json.loads(r[1])) for r in rows]
+
+
+def _reason_kind(reason: str) -> str:
+    return reason.split(": ", 1)[1] if ": " in reason else reason
+
+
+def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: str | None = None) -> EvalsSummary:
+    """Compile every failure and successful trace into evals, split them, version the suites.
+
+    Idempotent: the same inputs append no event (see the module docstring for all guarantees).
+    """
+    ecfg = cfg.evals
+    summary = EvalsSummary()
+    existing = {e["entity_id"]: e["state"] for e in store.entities("eval")}
+
+    index = SplitIndex(heldout_fraction=ecfg.heldout_fraction, seed=ecfg.split_seed, jaccard=ecfg.cluster_jaccard)
+    # Recorded placements first, in the order they were made, so new failures see all of them.
+    for eid, st in existing.items():
+        if st.get("split") in ("train", "heldout", "excluded"):
+            prompt = st.get("prompt") or {}
+            index.add_existing(
+                st.get("origin_failure") or eid,
+                request_text(prompt.get("messages") or [], prompt.get("tools") or []),
+                st["cluster"],
+                st["split"],
+            )
+
+    new_events: list[tuple[str, dict, list[str], int]] = []  # stream, payload, causation, expected
+
+    def stage(task: dict, origin: str, split: str, cluster: str, kinds: list[str]) -> None:
+        tid = task["task_id"]
+        task["metadata"]["split"] = split
+        task["metadata"]["cluster"] = cluster
+        payload = {
+            "entity_id": tid,
+            **task,
+            "split": split,
+            "cluster": cluster,
+            "origin_failure": task["metadata"].get("origin_failure"),
+            "failure_kinds": kinds,
+            "tools": task["metadata"]["tools"],
+            "verifier_kind": task["metadata"]["verifier_kind"],
+            "compiler_version": COMPILER_VERSION,
+            "request_text_version": REQUEST_TEXT_VERSION,
+        }
+        old = existing.get(tid)
+        vk = task["metadata"]["verifier_kind"]
+        if old is not None and canonical_json(old) == canonical_json(payload):
+            summary.unchanged += 1
+        else:
+            (summary.updated if old is not None else summary.created)[vk] = (
+                (summary.updated if old is not None else summary.created).get(vk, 0) + 1
+            )
+            new_events.append((tid, payload, [origin], store.stream_version(tid) if old is not None else 0))
+        existing[tid] = payload
+
+    # -- failures -> train / heldout / excluded
+    failures = store.entities("failure")
+    for f in failures:
+        fid, st = f["entity_id"], dict(f["state"])
+        st.setdefault("entity_id", fid)
+        trace_state = None
+        if "runtime_exception" in (st.get("kinds") or []) and st.get("trace_ids"):
+            ent = store.entity(st["trace_ids"][0])
+            trace_state = ent["state"] if ent else None
+        try:
+            task = compile_failure(st, trace_state=trace_state)
+        except CompileSkip as e:
+            summary.skipped.append({"origin": fid, "reason": str(e), "reason_kind": _reason_kind(str(e))})
+            continue
+        prev = existing.get(task["task_id"])
+        if prev is not None and prev.get("split") in ("train", "heldout", "excluded"):
+            split, cluster = prev["split"], prev["cluster"]  # recorded: never moves
+        else:
+            p = index.assign(fid, request_text(task["prompt"]["messages"], task["prompt"]["tools"]))
+            split, cluster = p.split, p.cluster
+        stage(task, fid, split, cluster, task["metadata"]["failure_kinds"])
+
+    # -- successful traces -> regression
+    seen_regression: set[str] = set()
+    for tid_trace, st in _successful_traces(store):
+        try:
+            task = compile_success(tid_trace, st)
+        except CompileSkip as e:
+            summary.skipped.append({"origin": tid_trace, "reason": str(e), "reason_kind": _reason_kind(str(e))})
+            continue
+        # Many production successes repeat the same request and answer: one regression eval each.
+        key = canonical_json([task["metadata"]["request_hash"], task["verifier"], task["reference"]])
+        if key in seen_regression:
+            continue
+        seen_regression.add(key)
+        stage(task, tid_trace, "regression", f"r-{task['metadata']['request_hash'][:16]}", [])
+
+    # -- append the eval events in one transaction
+    if new_events:
+        table = pa.table(
+            {
+                "stream": [s for s, _, _, _ in new_events],
+                "type": ["eval.created"] * len(new_events),
+                "payload": [canonical_json(p) for _, p, _, _ in new_events],
+                "causation": [c for _, _, c, _ in new_events],
+            },
+            schema=BATCH_SCHEMA,
+        )
+        res = store.append_batch(
+            table,
+            correlation_id=correlation_id,
+            expected_versions={s: v for s, _, _, v in new_events},
+            validated=True,
+        )
+        summary.events_appended += res.appended
+
+    # -- suites
+    by_split: dict[str, list[dict]] = {s: [] for s in ("train", "heldout", "excluded", "regression")}
+    for st in existing.values():
+        by_split.setdefault(st.get("split") or "unknown", []).append(st)
+    summary.splits = {k: len(v) for k, v in by_split.items() if v}
+    include_nd = ecfg.include_llm_judge_in_gate
+    for name in SUITES:
+        members = []
+        for st in by_split[name]:
+            deterministic = (st.get("metadata") or {}).get("deterministic", True)
+            if name in ("heldout", "regression") and not deterministic and not include_nd:
+                summary.excluded_from_gate += 1
+                continue
+            members.append(task_from_state(st))
+        latest = store.read(stream=f"suite:{name}", types="suite.versioned")
+        if not members and not latest:
+            summary.skipped.append(
+                {"origin": f"suite:{name}", "reason": f"suite:{name}: no members", "reason_kind": "no members"}
+            )
+            continue
+        entity, new = _version_suite(store, artifacts, name, members, correlation_id)
+        summary.events_appended += int(new)
+        summary.suites.append({"suite": entity, "members": len(members), "new_version": new})
+    return summary
+
+
+__all__ += ["ConcurrencyError", "TaskError", "trace_status", "versioned_event"]
