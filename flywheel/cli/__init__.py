@@ -19,6 +19,7 @@ app = typer.Typer(
 # Each module adds its commands with register(app). Order = order in --help.
 COMMAND_MODULES = [
     "flywheel.cli.core",
+    "flywheel.cli.ingest",
     "flywheel.cli.evals",
     "flywheel.cli.gate",
 ]
