@@ -86,6 +86,9 @@ from flywheel.config import SandboxConfig
 
 __all__ = ["SandboxResult", "run_python_tests", "run_shell", "discover_tests", "isolation_mode"]
 
+# Interpreter of the sandbox (harness and candidate) when a call passes none; a module attribute so a
+# deployment can point it at a dedicated interpreter.
+PYTHON = sys.executable
 _HARNESS = Path(__file__).resolve().parent / "verifiers" / "_sandbox_harness.py"
 _OUTPUT_LIMIT = 8192  # bytes of stdout/stderr kept in the result (the rest is discarded)
 _RECORD_LIMIT = 4 * 1024 * 1024  # bytes of result records read back (one line per test)
@@ -215,9 +218,9 @@ def run_shell(
 def _interpreter_dirs(python: str | None) -> list[str]:
     """Directories the sandboxed interpreter must be able to read (its prefix and, for a virtualenv,
     the venv), so they can be exposed to the throwaway uid even under a private parent like /root."""
-    exe = os.path.realpath(python or sys.executable)
+    exe = os.path.realpath(python or PYTHON)
     dirs = {os.path.dirname(os.path.dirname(exe))}
-    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
+    if exe == os.path.realpath(sys.executable):
         dirs |= {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
     # Nested entries would be exposed twice; keep the outermost of each chain.
     out = sorted(d for d in dirs if d and d != "/")
@@ -295,7 +298,7 @@ def _run(
             open(out_path, "wb") as out_f,
             open(err_path, "wb") as err_f,
         ):
-            exe = python or sys.executable
+            exe = python or PYTHON
             flags = ["-I"] if site_packages else ["-I", "-S"]
             argv = [exe, *flags, str(_HARNESS), str(root), str(init_f.fileno()), str(tests_f.fileno())]
             if strong:

@@ -88,8 +88,10 @@ def _set_limits(limits):
         "core": resource.RLIMIT_CORE,
     }
     for key, value in limits.items():
-        # Soft == hard: an unprivileged process cannot raise either back.
-        resource.setrlimit(table[key], (value, value))
+        # Soft == hard (an unprivileged process cannot raise either back), except CPU: SIGXCPU at the
+        # soft limit names the cause, SIGKILL one second later ends a candidate that ignores it.
+        hard = value + 1 if key == "cpu" else value
+        resource.setrlimit(table[key], (value, hard))
 
 
 def _drop_privileges(uid):
