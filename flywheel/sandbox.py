@@ -227,6 +227,17 @@ def _interpreter_dirs(python: str | None) -> list[str]:
     return [d for d in out if not any(d != o and d.startswith(o + "/") for o in out)]
 
 
+def _world_traversable(path: str) -> bool:
+    parts = Path(path).parts
+    for i in range(2, len(parts) + 1):
+        try:
+            if not os.stat(Path(*parts[:i])).st_mode & 0o005:
+                return False
+        except OSError:
+            return False
+    return True
+
+
 def _limits(cfg: SandboxConfig) -> dict[str, int]:
     return {
         "cpu": int(cfg.cpu_seconds),
@@ -283,6 +294,20 @@ def _run(
         "phase_seconds": phase_seconds,
     }
     details: dict = {"nonce_records": 0}
+    if not strong and setup["drop_to_uid"] is not None and mode == "python":
+        # Without a mount namespace the private parent cannot be covered (see _expose in the harness):
+        # the sandbox uid could not import the stdlib, and every candidate would fail for our reasons.
+        hidden = [d for d in setup["expose"] if not _world_traversable(d)]
+        if hidden:
+            shutil.rmtree(root, ignore_errors=True)
+            if fallback_work is not None:
+                _rmtree_any_owner(fallback_work)
+            return _infra(
+                f"weak sandbox mode: interpreter dir {hidden[0]} is not readable by an unprivileged uid; "
+                "point flywheel.sandbox.PYTHON at a world-readable interpreter",
+                iso,
+                t0,
+            )
     try:
         (root / "setup.json").write_text(json.dumps(setup))
         (root / "candidate").write_text(candidate)
