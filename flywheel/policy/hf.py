@@ -1,0 +1,418 @@
+"""Hugging Face transformers backend: batched sampling with exact sampler log-probabilities.
+
+Why a hand-written decode loop instead of ``model.generate``:
+- ``generate(num_return_sequences=n)`` expands the prompt batch *before* the prefill, so every
+  prompt is encoded n times. Here each prompt is encoded once and its KV cache is repeated n times
+  (``DynamicCache.batch_repeat_interleave``): for 8 samples of a 500-token BFCL prompt that is 1
+  prefill instead of 8.
+- Finished rows are dropped from the batch (``batch_select_indices``), so a batch is only as wide
+  as its live samples; ``generate`` keeps computing padded rows until the longest one ends.
+- The log-probability of each chosen token is taken from the exact distribution it was drawn
+  from (float32, temperature-scaled, top-p renormalised), not re-derived afterwards.
+- Each sample has its own random stream (seeded from ``(seed, prompt index, sample index)``), so a
+  sample does not change when other prompts join or leave the batch, and no global RNG is touched.
+
+Sampler log-probabilities (``Sample.logprobs``):
+- ``temperature > 0``: ``log softmax(logits / T)`` restricted to the top-p nucleus and renormalised
+  over it, i.e. the log-probability under the distribution actually sampled from.
+- ``temperature == 0`` (greedy, the argmax is taken): the log-probability under the untempered
+  model distribution ``log softmax(logits)``; a point mass would carry no information.
+
+Batching: prompts are sorted by length and cut into chunks of at most ``max_batch_rows`` rows
+(prompts x n), left-padded; results come back in the caller's order.
+
+Not guaranteed: bit-identical samples across devices, dtypes, or batch shapes (padding changes the
+floating-point summation order by ~1e-6 in fp32, which can flip a near-tie); thread-parallel
+generation (calls on one model are serialised by a lock).
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flywheel.policy.base import Sample, SamplingParams, coerce_params, per_prompt_tools
+from flywheel.policy.format import render_prompt
+from flywheel.policy.models import ModelLoadError, attach_adapter, load_model
+
+# End-of-turn tokens of common chat templates; any that exist in the vocabulary stop a sample.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+_GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive row indices over seeds
+
+
+@dataclass
+class _Shared:
+    """State shared by a policy and its adapter views: one model, one lock."""
+
+    model: Any
+    tokenizer: Any
+    device: Any
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+class HFPolicy:
+    """A policy backed by an in-process transformers causal LM (CPU or CUDA).
+
+    ``adapter``: name of the LoRA adapter this policy samples with (``None`` = the base weights,
+    adapters disabled). Views created with :meth:`adapter_view` share the model and its lock.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        device: Any = None,
+        name: str = "policy",
+        version: str = "0",
+        adapter: str | None = None,
+        max_batch_rows: int = 64,
+        _shared: _Shared | None = None,
+    ) -> None:
+        if _shared is None:
+            if device is None:
+                device = next(model.parameters()).device
+            if tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            _shared = _Shared(model=model, tokenizer=tokenizer, device=device)
+        self._shared = _shared
+        self.name = name
+        self.version = version
+        self.adapter = adapter
+        if max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1 (got {max_batch_rows})")
+        self.max_batch_rows = max_batch_rows
+        self._eos_ids = self._end_ids()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_spec(
+        cls,
+        spec: str,
+        home: Path,
+        adapter: str | Path | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        name: str | None = None,
+        version: str | None = None,
+        max_batch_rows: int = 64,
+    ) -> HFPolicy:
+        """Load ``spec`` with :func:`flywheel.policy.models.load_model` and wrap it.
+
+        ``name`` defaults to the spec; ``version`` to ``"base"`` or ``"adapter:<dir name>"``.
+        """
+        model, tok = load_model(spec, home=Path(home), device=device, dtype=dtype, adapter=adapter)
+        return cls(
+            model,
+            tok,
+            name=name or str(spec),
+            version=version or ("base" if adapter is None else f"adapter:{Path(adapter).name}"),
+            adapter="default" if adapter is not None else None,
+            max_batch_rows=max_batch_rows,
+        )
+
+    @property
+    def model(self) -> Any:
+        return self._shared.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._shared.tokenizer
+
+    @property
+    def device(self) -> Any:
+        return self._shared.device
+
+    def _end_ids(self) -> set[int]:
+        tok = self.tokenizer
+        ids: set[int] = set()
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif gen_eos:
+            ids.update(int(i) for i in gen_eos)
+        if tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+        vocab = tok.get_vocab()
+        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        return ids
+
+    # ------------------------------------------------------------------ adapters and weights
+    def load_adapter(self, path: str | Path, name: str = "default", *, activate: bool = True) -> None:
+        """Load (or reload) the peft LoRA adapter at ``path`` as ``name``. With ``activate`` this
+        policy samples with it from the next call on; other views keep their own adapter."""
+        with self._shared.lock:
+            self._shared.model = attach_adapter(self._shared.model, path, name=name)
+            self._shared.model.eval()
+            self._shared.model.to(self.device)
+            if activate:
+                self.adapter = name
+
+    def adapter_view(self, name: str, *, version: str | None = None) -> HFPolicy:
+        """A policy sharing this model that samples with the loaded adapter ``name``."""
+        if name not in self.adapter_names():
+            raise ModelLoadError(f"adapter {name!r} is not loaded (loaded: {sorted(self.adapter_names())})")
+        return HFPolicy(
+            None, None, name=name, version=version or f"adapter:{name}", adapter=name,
+            max_batch_rows=self.max_batch_rows, _shared=self._shared,
+        )
+
+    def adapter_names(self) -> set[str]:
+        return set(getattr(self.model, "peft_config", {}) or {})
+
+    def unload_adapter(self, name: str) -> None:
+        """Remove adapter ``name``; views that used it fail with ``ModelLoadError`` afterwards."""
+        with self._shared.lock:
+            if name not in self.adapter_names():
+                raise ModelLoadError(f"adapter {name!r} is not loaded")
+            model = self._shared.model
+            if len(model.peft_config) == 1:
+                # the last adapter: strip the LoRA layers entirely so the base runs at full speed
+                self._shared.model = model.unload()
+            else:
+                model.delete_adapter(name)
+            if self.adapter == name:
+                self.adapter = None
+
+    def set_weights_from(self, source: Any) -> None:
+        """Copy weights from an in-process training model (refresh between training iterations).
+
+        A plain model: every parameter/buffer is copied by name (strict: a missing or extra key
+        raises), cast to this policy's dtype and device. A peft model: its active adapter's
+        weights are copied into this policy's adapter ``"default"`` (created from the source's
+        LoRA config if absent) and this policy samples with it.
+        """
+        import torch
+        from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+
+        with self._shared.lock, torch.no_grad():
+            if isinstance(source, PeftModel):
+                src_name = source.active_adapter
+                cfg = copy.deepcopy(source.peft_config[src_name])
+                cfg.inference_mode = True
+                model = self._shared.model
+                if not isinstance(model, PeftModel):
+                    model = PeftModel(model, cfg, adapter_name="default")
+                elif "default" not in model.peft_config:
+                    model.add_adapter("default", cfg)
+                state = get_peft_model_state_dict(source, adapter_name=src_name)
+                result = set_peft_model_state_dict(model, state, adapter_name="default")
+                unexpected = getattr(result, "unexpected_keys", [])
+                if unexpected:
+                    raise ModelLoadError(f"set_weights_from: adapter keys not in this model: {unexpected[:5]}")
+                model.set_adapter("default")
+                model.to(self.device)
+                model.eval()
+                self._shared.model = model
+                self.adapter = "default"
+                return
+            target = self._shared.model
+            if isinstance(target, PeftModel):
+                target = target.get_base_model()
+            src = source.state_dict()
+            dst = target.state_dict()
+            missing = sorted(set(dst) - set(src))
+            extra = sorted(set(src) - set(dst))
+            if missing or extra:
+                raise ModelLoadError(
+                    f"set_weights_from: state dicts differ (missing {missing[:5]}, unexpected {extra[:5]})"
+                )
+            for k, v in dst.items():
+                v.copy_(src[k].to(device=v.device, dtype=v.dtype))
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: list[list[dict]],
+        params: SamplingParams | int | None = None,
+        *,
+        tools: list[list[dict]] | list[dict] | None = None,
+    ) -> list[list[Sample]]:
+        """Sample ``params.n`` completions for each chat prompt (see module docstring)."""
+        p = coerce_params(params)
+        per_tools = per_prompt_tools(tools, len(prompts))
+        texts = [render_prompt(self.tokenizer, m, t) for m, t in zip(prompts, per_tools, strict=True)]
+        return self.generate_from_text(texts, p)
+
+    def generate_from_text(self, prompt_texts: list[str], params: SamplingParams | int | None = None
+                           ) -> list[list[Sample]]:
+        """Sample from already-rendered prompt texts (tokenised without adding special tokens)."""
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
+        return self.generate_from_ids(ids, params)
+
+    def generate_from_ids(self, prompt_token_ids: list[list[int]], params: SamplingParams | int | None = None
+                          ) -> list[list[Sample]]:
+        """Sample from token ids (continuing a multi-turn loop exactly where it stands)."""
+        import torch
+
+        p = coerce_params(params)
+        if not prompt_token_ids:
+            return []
+        max_pos = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        for i, ids in enumerate(prompt_token_ids):
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            if len(ids) >= max_pos:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; the model's context is {max_pos}")
+        base_seed = p.seed if p.seed is not None else secrets.randbits(62)  # leaves torch's RNG alone
+        order = sorted(range(len(prompt_token_ids)), key=lambda i: len(prompt_token_ids[i]))
+        per_chunk = max(1, self.max_batch_rows // p.n)
+        results: list[list[Sample] | None] = [None] * len(prompt_token_ids)
+        t0 = time.perf_counter()
+        with self._shared.lock, torch.inference_mode(), self._adapter_context():
+            for start in range(0, len(order), per_chunk):
+                idx = order[start : start + per_chunk]
+                chunk = self._generate_chunk([prompt_token_ids[i] for i in idx], idx, p, base_seed, t0, max_pos)
+                for i, samples in zip(idx, chunk, strict=True):
+                    results[i] = samples
+        return results  # type: ignore[return-value]
+
+    def _adapter_context(self) -> Any:
+        import contextlib
+
+        model = self.model
+        names = getattr(model, "peft_config", None) or {}
+        if self.adapter is None:
+            return model.disable_adapter() if names else contextlib.nullcontext()
+        if self.adapter not in names:
+            raise ModelLoadError(f"policy {self.name!r}: adapter {self.adapter!r} is no longer loaded")
+        model.set_adapter(self.adapter)
+        return contextlib.nullcontext()
+
+    def _generate_chunk(
+        self, prompts: list[list[int]], prompt_idx: list[int], p: SamplingParams, base_seed: int,
+        t0: float, max_pos: int,
+    ) -> list[list[Sample]]:
+        import torch
+
+        dev = self.device
+        pad = int(self.tokenizer.pad_token_id)
+        n_p, n = len(prompts), p.n
+        width = max(len(x) for x in prompts)
+        input_ids = torch.full((n_p, width), pad, dtype=torch.long)
+        attn = torch.zeros((n_p, width), dtype=torch.long)
+        for r, ids in enumerate(prompts):  # left padding: every row's last prompt token is aligned
+            input_ids[r, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attn[r, width - len(ids) :] = 1
+        input_ids, attn = input_ids.to(dev), attn.to(dev)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
+        cache = out.cache
+        logits = out.logits[:, -1, :].float()
+        last_pos = positions[:, -1]
+        if n > 1:  # encode once, then fan the cache out to n rows per prompt: [a,b] -> [a,a,b,b]
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            attn = attn.repeat_interleave(n, dim=0)
+            last_pos = last_pos.repeat_interleave(n, dim=0)
+        rows = n_p * n
+        gens = []
+        for r in range(rows):
+            g = torch.Generator(device="cpu")
+            g.manual_seed((base_seed + _GOLDEN * (prompt_idx[r // n] * n + r % n + 1)) % (1 << 63))
+            gens.append(g)
+        limits = [min(p.max_new_tokens, max_pos - len(prompts[r // n])) for r in range(rows)]
+        toks: list[list[int]] = [[] for _ in range(rows)]
+        lps: list[list[float]] = [[] for _ in range(rows)]
+        finish: list[str | None] = [None] * rows
+        stop_at: list[int | None] = [None] * rows
+        done_ms = [0.0] * rows
+        active = list(range(rows))  # original row ids of the live batch rows, in batch order
+        eos = torch.tensor(sorted(self._eos_ids), dtype=torch.long, device=dev)
+        step = 0
+        while True:
+            u = torch.tensor([torch.rand(1, generator=gens[r]).item() for r in active], dtype=torch.float32)
+            chosen, chosen_lp = _sample(logits, p, u.to(logits.device))
+            is_eos = torch.isin(chosen, eos).tolist()
+            chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
+            keep: list[int] = []
+            for b, r in enumerate(active):
+                toks[r].append(chosen_l[b])
+                lps[r].append(lp_l[b])
+                if is_eos[b]:
+                    finish[r] = "stop"
+                elif p.stop and (cut := self._stop_cut(toks[r], p.stop)) is not None:
+                    finish[r], stop_at[r] = "stop", cut
+                elif len(toks[r]) >= limits[r]:
+                    finish[r] = "length"
+                if finish[r] is None:
+                    keep.append(b)
+                else:
+                    done_ms[r] = (time.perf_counter() - t0) * 1000.0
+            if not keep:
+                break
+            next_tokens = chosen[keep] if len(keep) < len(active) else chosen
+            if len(keep) < len(active):  # drop finished rows from cache and masks
+                sel = torch.tensor(keep, dtype=torch.long, device=dev)
+                cache.batch_select_indices(sel)
+                attn, last_pos = attn[sel], last_pos[sel]
+                active = [active[b] for b in keep]
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(
+                input_ids=next_tokens[:, None], attention_mask=attn, position_ids=last_pos[:, None],
+                cache=cache, use_cache=True,
+            )
+            cache = out.cache
+            logits = out.logits[:, -1, :].float()
+            step += 1
+        samples: list[list[Sample]] = []
+        for j, ids in enumerate(prompts):
+            group = []
+            for k in range(n):
+                r = j * n + k
+                text = self.tokenizer.decode(toks[r], skip_special_tokens=True)
+                if stop_at[r] is not None:
+                    text = text[: stop_at[r]]
+                group.append(
+                    Sample(
+                        text=text, prompt_token_ids=list(ids), completion_token_ids=toks[r], logprobs=lps[r],
+                        finish_reason=finish[r], truncated=finish[r] == "length", gen_ms=done_ms[r],  # type: ignore[arg-type]
+                    )
+                )
+            samples.append(group)
+        return samples
+
+    def _stop_cut(self, toks: list[int], stops: list[str]) -> int | None:
+        """Character index where the earliest stop string starts in the decoded completion."""
+        text = self.tokenizer.decode(toks, skip_special_tokens=True)
+        hits = [i for s in stops if (i := text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+
+def _sample(logits: Any, p: SamplingParams, u: Any) -> tuple[Any, Any]:
+    """Draw one token per row by inverse-CDF sampling with the given uniforms ``u`` (shape [B]).
+
+    Returns ``(tokens [B] long, logprobs [B] float32)``; see the module docstring for which
+    distribution the log-probabilities refer to.
+    """
+    import torch
+
+    if p.greedy:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logits.argmax(dim=-1)
+        return tok, logp.gather(1, tok[:, None])[:, 0]
+    logp = torch.log_softmax(logits / p.temperature, dim=-1)
+    if p.top_p < 1.0:
+        sorted_lp, order = logp.sort(dim=-1, descending=True)
+        probs = sorted_lp.exp()
+        # keep the smallest prefix whose mass reaches top_p (the first token is always kept):
+        # mass *before* a token < top_p  <=>  token is inside the nucleus
+        outside = (probs.cumsum(dim=-1) - probs) >= p.top_p
+        sorted_lp = sorted_lp.masked_fill(outside, float("-inf"))
+        sorted_lp = sorted_lp - torch.logsumexp(sorted_lp, dim=-1, keepdim=True)
+        cdf = sorted_lp.exp().cumsum(dim=-1)
+        j = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.shape[1] - 1)
+        return order.gather(1, j)[:, 0], sorted_lp.gather(1, j)[:, 0]
+    cdf = logp.exp().cumsum(dim=-1)
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.shape[1] - 1)
+    return tok[:, 0], logp.gather(1, tok)[:, 0]

@@ -1,0 +1,294 @@
+"""HF backend: exact sampler logprobs, batching, seeds, finish reasons, adapters, model loading."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from flywheel.policy.base import Sample, SamplingParams, coerce_params, per_prompt_tools
+from flywheel.policy.testing import make_lora_adapter, tiny_model_home, tiny_policy
+
+PROMPTS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France, and why?"}],
+    [{"role": "user", "content": "Count to three."}],
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: the tiny model's ops take microseconds, and on a shared 2-core CI box a
+    second OpenMP thread that gets descheduled makes every op wait (measured 35 us -> 2.4 ms per
+    64x64 linear under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_home(tmp_path_factory):
+    return tiny_model_home(tmp_path_factory.mktemp("policy-home"))
+
+
+@pytest.fixture(scope="session")
+def policy(tiny_home):
+    return tiny_policy(tiny_home)
+
+
+def _teacher_forced_logp(policy, s: Sample, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) of every completion token, from one full forward pass, no cache, no padding."""
+    ids = torch.tensor([s.prompt_token_ids + s.completion_token_ids])
+    with torch.no_grad():
+        logits = policy.model(ids).logits[0].float()
+    n_prompt = len(s.prompt_token_ids)
+    # the logits at position i predict token i+1: completion token k is predicted at n_prompt-1+k
+    rows = logits[n_prompt - 1 : n_prompt - 1 + len(s.completion_token_ids)]
+    return torch.log_softmax(rows / temperature, dim=-1), torch.tensor(s.completion_token_ids)
+
+
+def test_sampler_logprobs_equal_teacher_forced_recomputation(policy):
+    out = policy.generate(PROMPTS, SamplingParams(n=3, temperature=0.7, max_new_tokens=12, seed=3))
+    checked = 0
+    for group in out:
+        assert len(group) == 3
+        for s in group:
+            assert len(s.logprobs) == len(s.completion_token_ids) > 0
+            logp, toks = _teacher_forced_logp(policy, s, 0.7)
+            expected = logp.gather(1, toks[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)
+            checked += len(s.logprobs)
+    assert checked == sum(len(s.completion_token_ids) for g in out for s in g)
+
+
+def test_top_p_logprobs_are_renormalised_over_the_nucleus(policy):
+    top_p = 0.5
+    out = policy.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.5, top_p=top_p, max_new_tokens=8, seed=0))
+    for group in out:
+        for s in group:
+            logp, toks = _teacher_forced_logp(policy, s, 1.5)
+            for k, tok in enumerate(toks.tolist()):
+                probs, order = logp[k].exp().sort(descending=True)
+                before = probs.cumsum(0) - probs
+                nucleus = order[before < top_p]  # smallest prefix reaching top_p
+                assert tok in set(nucleus.tolist()), "sampled a token outside the nucleus"
+                expected = logp[k][tok] - torch.logsumexp(logp[k][nucleus], 0)
+                assert s.logprobs[k] == pytest.approx(expected.item(), abs=1e-4)
+
+
+def test_greedy_takes_argmax_and_reports_untempered_logprobs(policy):
+    (group,) = policy.generate(PROMPTS[1:2], SamplingParams(n=1, temperature=0.0, max_new_tokens=6))
+    s = group[0]
+    logp, toks = _teacher_forced_logp(policy, s, 1.0)
+    assert toks.tolist() == logp.argmax(-1).tolist()
+    assert torch.allclose(torch.tensor(s.logprobs), logp.gather(1, toks[:, None])[:, 0], atol=1e-4)
+
+
+def test_batched_left_padded_n2_greedy_equals_unbatched(policy):
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10)
+    batched = policy.generate(PROMPTS, params)
+    for i, prompt in enumerate(PROMPTS):
+        (alone,) = policy.generate([prompt], SamplingParams(n=1, temperature=0.0, max_new_tokens=10))
+        for s in batched[i]:
+            assert s.completion_token_ids == alone[0].completion_token_ids
+            assert s.prompt_token_ids == alone[0].prompt_token_ids
+            assert s.logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)
+    # prompts really had different lengths, so left padding was exercised
+    assert len({len(g[0].prompt_token_ids) for g in batched}) == 3
+
+
+def test_small_batch_rows_chunks_give_same_results(tiny_home, policy):
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=11)
+    small = tiny_policy(tiny_home, max_batch_rows=2)
+    a = policy.generate(PROMPTS, params)
+    b = small.generate(PROMPTS, params)
+    assert [[s.completion_token_ids for s in g] for g in a] == [[s.completion_token_ids for s in g] for g in b]
+
+
+def test_seeds_are_reproducible_and_samples_differ(policy):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=42)
+    a = policy.generate(PROMPTS[:2], params)
+    b = policy.generate(PROMPTS[:2], params)
+    c = policy.generate(PROMPTS[:2], SamplingParams(n=4, temperature=1.0, max_new_tokens=8, seed=43))
+    ids = lambda out: [[s.completion_token_ids for s in g] for g in out]  # noqa: E731
+    assert ids(a) == ids(b)
+    assert ids(a) != ids(c)
+    assert len({tuple(x) for x in ids(a)[0]}) == 4  # the n samples of one prompt are distinct
+    # a prompt's samples do not depend on which other prompt shares its batch
+    d = policy.generate([PROMPTS[0], PROMPTS[2]], params)
+    assert ids(d)[0] == ids(a)[0]
+
+
+def test_unseeded_calls_do_not_touch_the_global_rng(policy):
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    policy.generate(PROMPTS[:1], SamplingParams(n=2, max_new_tokens=3))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_length_finish_and_truncation(policy):
+    (group,) = policy.generate(PROMPTS[:1], SamplingParams(n=2, max_new_tokens=5, seed=0))
+    for s in group:
+        assert len(s.completion_token_ids) == 5
+        assert s.finish_reason == "length" and s.truncated
+        assert s.gen_ms > 0
+
+
+def test_end_of_turn_token_stops_a_sample(tiny_home):
+    pol = tiny_policy(tiny_home)
+    (greedy,) = pol.generate(PROMPTS[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=5))
+    first = greedy[0].completion_token_ids[0]
+    pol._eos_ids = {first}  # pretend the model's first greedy token is its end-of-turn token
+    (group,) = pol.generate(PROMPTS[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=5))
+    s = group[0]
+    assert s.completion_token_ids == [first]  # the end token is kept in the ids (trained on) ...
+    assert s.finish_reason == "stop" and not s.truncated
+
+
+def test_smollm2_end_of_turn_is_an_eos(policy):
+    im_end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in policy._eos_ids
+
+
+def test_stop_strings_cut_the_text(policy):
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=12, seed=7)
+    (full,) = policy.generate(PROMPTS[:1], params)
+    text = full[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"need a visible stop string from {text!r}"
+    (cut,) = policy.generate(PROMPTS[:1], SamplingParams(n=1, temperature=1.0, max_new_tokens=12, seed=7, stop=[stop]))
+    s = cut[0]
+    assert s.finish_reason == "stop"
+    assert s.text == text[: text.find(stop)]
+    assert len(s.completion_token_ids) < len(full[0].completion_token_ids) or stop in text[-3:]
+
+
+def test_generate_from_ids_continues_exactly(policy):
+    (a,) = policy.generate(PROMPTS[:1], SamplingParams(n=1, temperature=0.0, max_new_tokens=8))
+    s = a[0]
+    prefix = s.prompt_token_ids + s.completion_token_ids[:3]
+    (b,) = policy.generate_from_ids([prefix], SamplingParams(n=1, temperature=0.0, max_new_tokens=5))
+    assert b[0].completion_token_ids == s.completion_token_ids[3:8]
+
+
+def test_prompt_longer_than_context_is_rejected(policy):
+    too_long = [1] * policy.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="prompt 0 has"):
+        policy.generate_from_ids([too_long], 1)
+
+
+def test_lora_adapter_load_view_unload(tiny_home, tmp_path):
+    pol = tiny_policy(tiny_home)
+    adapter = make_lora_adapter(tiny_home, tmp_path / "lora")
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
+    base = pol.generate(PROMPTS[:2], params)
+    pol.load_adapter(adapter, "ft", activate=False)
+    assert pol.generate(PROMPTS[:2], params)[0][0].completion_token_ids == base[0][0].completion_token_ids
+    view = pol.adapter_view("ft")
+    tuned = view.generate(PROMPTS[:2], params)
+    assert [g[0].completion_token_ids for g in tuned] != [g[0].completion_token_ids for g in base]
+    # the view's logprobs are the adapter's own distribution
+    logp, toks = _teacher_forced_logp(view, tuned[0][0], 1.0)
+    pol.unload_adapter("ft")
+    assert pol.generate(PROMPTS[:2], params)[0][0].completion_token_ids == base[0][0].completion_token_ids
+    from flywheel.policy.models import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="no longer loaded"):
+        view.generate(PROMPTS[:1], params)
+    # from_spec with an adapter samples with it from the start
+    loaded = tiny_policy(tiny_home, adapter=adapter)
+    assert loaded.generate(PROMPTS[:2], params)[0][0].completion_token_ids == tuned[0][0].completion_token_ids
+    assert logp.shape[0] == len(toks)
+
+
+def test_set_weights_from_plain_and_peft_models(tiny_home, tmp_path):
+    pol = tiny_policy(tiny_home)
+    trainer = copy.deepcopy(pol.model)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+    before = pol.generate(PROMPTS[:1], params)[0][0]
+    pol.set_weights_from(trainer)
+    ids = torch.tensor([before.prompt_token_ids])
+    with torch.no_grad():
+        assert torch.allclose(pol.model(ids).logits, trainer(ids).logits, atol=1e-5)
+    # a peft training model: its adapter is copied into the policy's "default" adapter
+    from peft import PeftModel
+
+    fresh = tiny_policy(tiny_home)
+    adapter = make_lora_adapter(tiny_home, tmp_path / "lora2", seed=1)
+    base_model = tiny_policy(tiny_home).model
+    peft_trainer = PeftModel.from_pretrained(base_model, str(adapter), is_trainable=True)
+    fresh.set_weights_from(peft_trainer)
+    assert fresh.adapter == "default"
+    with torch.no_grad():
+        assert torch.allclose(fresh.model(ids).logits, peft_trainer(ids).logits, atol=1e-5)
+    with pytest.raises(Exception, match="state dicts differ"):
+        pol.set_weights_from(torch.nn.Linear(2, 2))
+
+
+def test_coerce_params_and_tools_shapes():
+    assert coerce_params(None) == SamplingParams()
+    assert coerce_params(3).n == 3
+    with pytest.raises(TypeError):
+        coerce_params("3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="n must"):
+        SamplingParams(n=0)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert per_prompt_tools(None, 2) == [[], []]
+    assert per_prompt_tools([], 2) == [[], []]
+    assert per_prompt_tools([tool], 2) == [[tool], [tool]]
+    assert per_prompt_tools([[tool], []], 2) == [[tool], []]
+    with pytest.raises(ValueError, match="one list per prompt"):
+        per_prompt_tools([[tool]], 2)
+
+
+def test_tiny_model_is_deterministic_and_cached(tiny_home):
+    from flywheel.policy.models import TINY, build_tiny_model, ensure_base_model, load_model
+
+    path = ensure_base_model(TINY, tiny_home)
+    assert (path / "config.json").exists() and (path / "model.safetensors").exists()
+    model, tok = load_model(TINY, home=tiny_home)
+    rebuilt = build_tiny_model(tok)
+    for (n, a), (_, b) in zip(model.state_dict().items(), rebuilt.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    assert tok.padding_side == "left" and tok.pad_token_id is not None
+    assert sum(p.numel() for p in model.parameters()) < 4_000_000
+    assert not math.isnan(float(next(model.parameters()).detach().sum()))
+
+
+def test_model_dirs_appear_atomically(tmp_path, tiny_home, monkeypatch):
+    from flywheel.policy import models
+
+    # a crash mid-build leaves only a hidden temp dir, never the target
+    def boom(tmp):
+        (tmp / "config.json").write_text("{}")
+        raise RuntimeError("crash while writing")
+
+    target = tmp_path / "models" / "base" / "x"
+    with pytest.raises(RuntimeError, match="crash"):
+        models._atomic_dir(target, boom, {})
+    assert not target.exists()
+    assert list(target.parent.iterdir()) == []
+    # a completed build is reused without rebuilding
+    calls = []
+    models._atomic_dir(target, lambda t: calls.append((t / "config.json").write_text("{}")), {"k": 1})
+    models._atomic_dir(target, lambda t: calls.append(1), {"k": 1})
+    assert len(calls) == 1 and (target / "config.json").exists()
+
+
+def test_unknown_specs_are_rejected_clearly(tmp_path):
+    from flywheel.policy.models import ModelLoadError, ensure_base_model
+
+    with pytest.raises(ModelLoadError, match="hub names are not downloaded"):
+        ensure_base_model("HuggingFaceTB/SmolLM2-135M", tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        ensure_base_model(str(tmp_path / "empty"), tmp_path)
