@@ -249,7 +249,7 @@ def _get(task: Any, key: str, default: Any = None) -> Any:
 
 
 def _episode_text(ep: Any) -> str | None:
-    for attr in ("completion", "text", "answer", "final_text"):
+    for attr in ("completion_text", "completion", "text"):
         v = getattr(ep, attr, None)
         if isinstance(v, str):
             return v[:_COMPLETION_CHARS]
@@ -350,7 +350,8 @@ def evaluate_model(
         max_new_tokens=decoding["max_new_tokens"], seed=decoding["seed"],
     )
     t0 = time.perf_counter()
-    episodes = run_episodes(tasks, policy, params, context=context) if tasks else []
+    # The harness takes sandbox limits, judge endpoint and max_turns from the config by default.
+    episodes = run_episodes(tasks, policy, params, context=context if context is not None else cfg) if tasks else []
     wall = time.perf_counter() - t0
     if len(episodes) != len(tasks):
         raise EvaluationError(f"harness returned {len(episodes)} episode groups for {len(tasks)} tasks of {suite_id}")

@@ -667,7 +667,17 @@ def run_gate(
     except Exception:  # no regression suite recorded yet: the rule says so
         reg_suite = None
 
-    kw = dict(policy_loader=policy_loader, correlation_id=correlation_id)
+    from flywheel.evaluate import default_policy_loader
+
+    base_loader = policy_loader or default_policy_loader(cfg, tracker)
+    loaded: dict[Any, Any] = {}
+
+    def load_once(ref: Any) -> Any:  # held-out and regression suites share one loaded model
+        if ref not in loaded:
+            loaded[ref] = base_loader(ref)
+        return loaded[ref]
+
+    kw = dict(policy_loader=load_once, correlation_id=correlation_id)
     ch_eval = evaluate_model(cfg, store, artifacts, tracker, challenger, suite_obj, **kw)
     cp_eval = evaluate_model(cfg, store, artifacts, tracker, champion, suite_obj, **kw)
     ch_reg = cp_reg = None
