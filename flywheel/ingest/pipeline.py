@@ -45,6 +45,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -377,20 +378,26 @@ def _sniff_format(path: Path, max_line_bytes: int) -> str:
                 n += 1
                 if n >= 20:
                     break
-        except OSError:
+        except (EOFError, OSError, zlib.error):
             pass
     return "openai"
 
 
 def _whole_document(path: Path, max_line_bytes: int) -> bytes | None:
     """A pretty-printed JSON document (first non-blank line is just '{' or '[') read whole, when small."""
-    with open_binary(path) as stream:
-        head = stream.read(4096)
+    try:
+        with open_binary(path) as stream:
+            head = stream.read1(4096) if hasattr(stream, "read1") else stream.read(4096)
+    except (EOFError, OSError, zlib.error):  # a cut or corrupt gzip: the line reader reports it
+        return None
     first = next((ln.strip() for ln in head.splitlines() if ln.strip()), b"")
     if first not in (b"{", b"["):
         return None
-    with open_binary(path) as stream:
-        data = stream.read(max_line_bytes + 1)
+    try:
+        with open_binary(path) as stream:
+            data = stream.read(max_line_bytes + 1)
+    except (EOFError, OSError, zlib.error) as e:
+        raise IngestError(f"{path}: cannot read the JSON document ({e})") from None
     if len(data) > max_line_bytes:
         raise IngestError(f"{path}: a multi-line JSON document larger than ingest.max_line_bytes; write JSON Lines")
     return data

@@ -10,7 +10,6 @@ every complete line before it has been yielded.
 from __future__ import annotations
 
 import gzip
-import io
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +39,9 @@ def open_source(path: Path) -> tuple[BinaryIO, BinaryIO]:
     The underlying file's ``tell()`` is the progress through the bytes on disk. Close both."""
     raw = open(path, "rb", buffering=_BUF)  # noqa: SIM115 - returned to the caller
     if raw.peek(2)[:2] == GZIP_MAGIC:
-        return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), buffer_size=_BUF), raw  # type: ignore[arg-type]
+        # GzipFile itself, not a BufferedReader around it: a large buffered read that reaches a cut
+        # end raises EOFError and would drop every complete line decoded in that read.
+        return gzip.GzipFile(fileobj=raw, mode="rb"), raw  # type: ignore[return-value]
     return raw, raw
 
 
@@ -48,7 +49,7 @@ def open_binary(path: Path) -> BinaryIO:
     """The file's decompressed bytes (closing it closes the file)."""
     stream, raw = open_source(path)
     if stream is not raw:
-        stream.raw.myfileobj = raw  # type: ignore[attr-defined]  # GzipFile closes myfileobj on close
+        stream.myfileobj = raw  # type: ignore[attr-defined]  # GzipFile closes myfileobj on close
     return stream
 
 
