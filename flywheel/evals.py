@@ -248,6 +248,12 @@ def _tool_code(failure: dict, trace_state: dict | None) -> str | None:
     return None
 
 
+def _trace_ref(trace_id: Any) -> str | None:
+    if not trace_id:
+        return None
+    return str(trace_id) if str(trace_id).startswith("trace:") else f"trace:{trace_id}"
+
+
 def _tool_call_spec(tools: list[dict], expected: list[dict] | None) -> dict:
     return {"kind": "tool_call", "tools": tools, "expected": expected, "order_sensitive": False}
 
@@ -361,7 +367,7 @@ def compile_failure(failure: dict, *, trace_state: dict | None = None) -> dict:
             "tools": sorted({_tool_name(t) for t in tools} - {""}),
             "source": failure.get("source"),
             "origin_failure": fid,
-            "origin_trace": (failure.get("trace_ids") or [None])[0],
+            "origin_trace": _trace_ref((failure.get("trace_ids") or [None])[0]),
             "weak": weak,
             "deterministic": deterministic,
             "verifier_kind": vkind,
@@ -662,6 +668,31 @@ def _successful_traces(store: EventStore) -> list[tuple[str, dict]]:
     return [(r[0], json.loads(r[1])) for r in rows]
 
 
+def _full_traces(artifacts: Any, states: list[dict]) -> list[dict]:
+    """The full trace records behind ``trace.ingested`` states.
+
+    Ingest keeps the redacted trace in a per-batch Parquet artifact and only a reference
+    ``trace: {sha256, row}`` in the event (see :mod:`flywheel.ingest.pipeline`); states that carry
+    the messages themselves (older payloads, test fixtures) are used as they are.
+    """
+    refs = [i for i, st in enumerate(states) if isinstance(st.get("trace"), dict) and "sha256" in st["trace"]]
+    out = list(states)
+    if refs:
+        from flywheel.ingest import load_traces
+
+        for i, full in zip(refs, load_traces(artifacts, [states[i] for i in refs]), strict=True):
+            out[i] = {**full, "source": full.get("source") or states[i].get("source")}
+    return out
+
+
+def _trace_entity(store: EventStore, artifacts: Any, trace_id: str) -> dict | None:
+    tid = trace_id if trace_id.startswith("trace:") else f"trace:{trace_id}"
+    ent = store.entity(tid)
+    if ent is None:
+        return None
+    return _full_traces(artifacts, [ent["state"]])[0]
+
+
 def _reason_kind(reason: str) -> str:
     return reason.split(": ", 1)[1] if ": " in reason else reason
 
@@ -723,8 +754,7 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
         st.setdefault("entity_id", fid)
         trace_state = None
         if "runtime_exception" in (st.get("kinds") or []) and st.get("trace_ids"):
-            ent = store.entity(st["trace_ids"][0])
-            trace_state = ent["state"] if ent else None
+            trace_state = _trace_entity(store, artifacts, str(st["trace_ids"][0]))
         try:
             task = compile_failure(st, trace_state=trace_state)
         except CompileSkip as e:
@@ -740,7 +770,9 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
 
     # -- successful traces -> regression
     seen_regression: set[str] = set()
-    for tid_trace, st in _successful_traces(store):
+    successes = _successful_traces(store)
+    full = _full_traces(artifacts, [st for _, st in successes])
+    for (tid_trace, _), st in zip(successes, full, strict=True):
         try:
             task = compile_success(tid_trace, st)
         except CompileSkip as e:

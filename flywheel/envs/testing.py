@@ -172,6 +172,25 @@ def append_failure(store: Any, payload: dict) -> str:
     return fid
 
 
+def append_failures(store: Any, payloads: list[dict]) -> list[str]:
+    """Append many ``failure.classified`` events in one transaction (fast fixtures)."""
+    import pyarrow as pa
+
+    from flywheel.store import BATCH_SCHEMA, canonical_json
+
+    table = pa.table(
+        {
+            "stream": [p["entity_id"] for p in payloads],
+            "type": ["failure.classified"] * len(payloads),
+            "payload": [canonical_json(p) for p in payloads],
+            "causation": [list(p.get("trace_ids") or []) for p in payloads],
+        },
+        schema=BATCH_SCHEMA,
+    )
+    store.append_batch(table)
+    return [p["entity_id"] for p in payloads]
+
+
 def append_success_trace(store: Any, trace_id: str, messages: list[dict], tools: list[dict],
                          *, tests: str | None = None, metadata: dict | None = None) -> str:
     """Append ``trace.ingested`` for a successful trace (``status: "success"``)."""

@@ -1,0 +1,138 @@
+"""The train/held-out split: stable, by cluster, near-duplicates together, no cluster on both sides."""
+
+from __future__ import annotations
+
+import itertools
+
+from flywheel.artifacts import open_artifacts
+from flywheel.envs.testing import append_failures, failure_payload, openai_call
+from flywheel.evals import build_evals, load_suite
+from flywheel.split import SplitIndex, deal, normalise, request_text, signature
+from flywheel.verifiers.bfcl import bfcl_answer_to_expected, load_bfcl
+
+
+def test_request_text_normalises_and_ignores_answers():
+    a = request_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in  PORTO, please!"},
+                      {"role": "assistant", "content": "whatever"}, {"role": "tool", "content": "{}"}],
+                     [{"type": "function", "function": {"name": "get_weather"}}])
+    assert a == "be brief weather in porto please | tools get weather"
+    assert normalise("Ｗｅａｔｈｅｒ—in Porto?") == "weather in porto"  # NFKC + punctuation runs
+
+
+def test_deal_is_a_pure_function_of_cluster_and_seed():
+    clusters = [f"c-{i:04d}" for i in range(2000)]
+    first = [deal(c, "s", 0.3) for c in clusters]
+    assert first == [deal(c, "s", 0.3) for c in clusters]
+    share = first.count("heldout") / len(first)
+    assert 0.26 < share < 0.34  # ~Binomial(2000, 0.3): 4 standard deviations is +-0.041
+    assert first != [deal(c, "other-seed", 0.3) for c in clusters]
+
+
+VARIANTS = [
+    "Find the area of a triangle with a base of 10 units and height of 5 units.",
+    "find the area of a triangle with a base of 10 units and height of 5 units",
+    "Find the area of a triangle, with a base of 10 units and a height of 5 units!",
+    "Find the area of the triangle with a base of 10 units and height of 5 units?",
+]
+
+
+def test_near_duplicates_join_one_cluster_whatever_the_order():
+    for order in itertools.permutations(VARIANTS):
+        idx = SplitIndex(heldout_fraction=0.5, seed="s", jaccard=0.7)
+        placed = [idx.assign(f"f{i}", request_text([{"role": "user", "content": t}])) for i, t in enumerate(order)]
+        assert len({p.cluster for p in placed}) == 1
+        assert len({p.split for p in placed}) == 1
+    # ... and a different request does not join it.
+    other = idx.assign("g", request_text([{"role": "user", "content": "Calculate the factorial of 5 using math."}]))
+    assert other.cluster != placed[0].cluster and other.matched == ()
+
+
+def test_recorded_placements_never_move_even_when_the_config_changes():
+    idx = SplitIndex(heldout_fraction=0.5, seed="s", jaccard=0.7)
+    text = request_text([{"role": "user", "content": VARIANTS[0]}])
+    # Recorded as held-out although a fresh deal with these settings may say otherwise.
+    p = idx.add_existing("f0", text, "c-recorded", "heldout")
+    assert (p.split, p.cluster, p.new) == ("heldout", "c-recorded", False)
+    assert idx.assign("f0", text) is p
+    # A near-duplicate arriving later joins the recorded cluster and side.
+    q = idx.assign("f1", request_text([{"role": "user", "content": VARIANTS[2]}]))
+    assert (q.cluster, q.split) == ("c-recorded", "heldout")
+
+
+def test_a_request_bridging_train_and_heldout_is_excluded_from_both():
+    idx = SplitIndex(heldout_fraction=0.5, seed="s", jaccard=0.7)
+    words = "please book a table for four people at the tasca restaurant tonight at half past eight near the old harbour"
+    base = words
+    left = " ".join(words.split()[:-4])  # drops the tail
+    right = " ".join(words.split()[4:])  # drops the head
+    # left and right are not near each other (~0.59) but the full request is near both (~0.83, ~0.76).
+    assert signature(left).jaccard(signature(right)) < 0.7
+    assert min(signature(base).jaccard(signature(left)), signature(base).jaccard(signature(right))) >= 0.7
+    idx.add_existing("a", left, "c-a", "train")
+    idx.add_existing("c", right, "c-c", "heldout")
+    b = idx.assign("b", base)
+    assert b.split == "excluded" and set(b.matched) == {"c-a", "c-c"}
+    # A near-copy of the bridge stays out too.
+    assert idx.assign("b2", base + " ").split == "excluded"
+
+
+# ------------------------------------------------------------------------------ through the store
+def _bfcl_failures(n: int, start: int = 0) -> list[dict]:
+    """BFCL questions as wrong_arg_value failures, plus two near-duplicate re-phrasings of each of
+    the first five (so clusters with several members exist)."""
+    out = []
+    for i, item in enumerate(load_bfcl("simple_python", limit=start + n)[start:]):
+        corr = {"tool_calls": bfcl_answer_to_expected(item.possible_answer)}
+        bad = openai_call(corr["tool_calls"][0]["name"], {"wrong": 1})
+        q = item.question_messages[-1]["content"]
+        variants = [q] + ([q.upper(), q.rstrip(".?!") + " please."] if i < 5 else [])
+        for v in variants:
+            out.append(failure_payload([{"role": "user", "content": v}], item.tools, bad, ["wrong_arg_value"],
+                                       correction=corr, source="bfcl"))
+    return out
+
+
+def _placements(store) -> dict[str, tuple[str, str]]:
+    return {e["state"]["origin_failure"]: (e["state"]["split"], e["state"]["cluster"])
+            for e in store.entities("eval") if e["state"]["split"] != "regression"}
+
+
+def test_split_is_stable_across_rebuilds_new_failures_and_config_changes(cfg, store):
+    arts = open_artifacts(cfg)
+    failures = _bfcl_failures(60)
+    append_failures(store, failures)
+    build_evals(cfg, store, arts)
+    before = _placements(store)
+    assert len(before) == 70
+    assert {s for s, _ in before.values()} == {"train", "heldout"}
+
+    # Near-duplicates share a cluster (and so a side).
+    clusters = {}
+    for split, cluster in before.values():
+        clusters.setdefault(cluster, set()).add(split)
+    assert max(len(v) for v in clusters.values()) == 1
+    for i in range(5):  # each question and its two re-phrasings (failures 3i..3i+2)
+        group = {before[f["entity_id"]][1] for f in failures[3 * i : 3 * i + 3]}
+        assert len(group) == 1, f"variants of question {i} landed in clusters {group}"
+    # BFCL itself holds near-duplicates: simple_python_0 and _11 ask for the same triangle area
+    # (5-gram Jaccard ~0.82); the split must keep them together.
+    q0, q11 = failures[0]["entity_id"], failures[15 + 11 - 5]["entity_id"]
+    assert "what is the area of a triangle" in failures[15 + 11 - 5]["messages"][0]["content"].lower()
+    assert before[q0] == before[q11]
+
+    # Change the deal entirely, add new failures, rebuild: no recorded failure moves.
+    cfg.evals.heldout_fraction = 0.9
+    cfg.evals.split_seed = "another-seed"
+    append_failures(store, _bfcl_failures(20, start=60))
+    build_evals(cfg, store, arts)
+    after = _placements(store)
+    assert {k: after[k] for k in before} == before
+    assert len(after) == 100
+
+    # Held-out and train never share a cluster, and no cross pair is a near-duplicate.
+    train, held = load_suite(store, arts, "train"), load_suite(store, arts, "heldout")
+    assert not {t["metadata"]["cluster"] for t in train.tasks} & {t["metadata"]["cluster"] for t in held.tasks}
+    sig = {t["task_id"]: signature(request_text(t["prompt"]["messages"], t["prompt"]["tools"]))
+           for t in train.tasks + held.tasks}
+    worst = max(sig[a["task_id"]].jaccard(sig[b["task_id"]]) for a in train.tasks for b in held.tasks)
+    assert worst < cfg.evals.cluster_jaccard
