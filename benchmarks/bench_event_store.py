@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="100,000 events instead of 1,000,000")
     ap.add_argument("--events", type=int, default=None)
     ap.add_argument("--batch", type=int, default=100_000, help="rows per append_batch call")
-    ap.add_argument("--naive", type=int, default=None, help="events in the naive baseline (default 20,000; quick 5,000)")
+    ap.add_argument("--naive", type=int, default=None, help="events in the naive baseline (default 20,000; quick 1,000)")
     ap.add_argument("--reps", type=int, default=None, help="lineage query repetitions")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -190,7 +190,7 @@ def main() -> None:
     if args.child:
         child_append(n, args.batch, Path(args.child))
         return
-    n_naive = args.naive or (5_000 if args.quick else 20_000)
+    n_naive = args.naive or (1_000 if args.quick else 20_000)
     reps = args.reps or (10 if args.quick else 21)
     print(f"event store benchmark: {n:,} events, batches of {args.batch:,}, naive peer on {n_naive:,} "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")

@@ -556,7 +556,7 @@ class EventStore:
 
     def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None) -> pa.Table:
         where, params = self._where(stream, types, after_seq, correlation_id)
-        return self.con.execute(f"SELECT * FROM events {where} ORDER BY seq", params).to_arrow_table()
+        return self.con.sql(f"SELECT * FROM events {where} ORDER BY seq", params=params).to_arrow_table()
 
     @staticmethod
     def _where(stream, types, after_seq, correlation_id) -> tuple[str, list[Any]]:

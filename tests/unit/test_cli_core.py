@@ -1,0 +1,83 @@
+"""CLI core commands: every --json output parses as JSON and says what happened."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from flywheel.cli import app
+from flywheel.store import EventStore, NewEvent
+
+runner = CliRunner()
+
+
+def run(*args):
+    r = runner.invoke(app, list(args))
+    assert r.exit_code == 0, (r.output, r.exception)
+    return r
+
+
+def run_json(*args):
+    return json.loads(run(*args, "--json").stdout)
+
+
+@pytest.fixture
+def seeded(home, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    info = run_json("init")
+    with EventStore(info["warehouse"]) as s:
+        s.append("trace:t1", NewEvent("trace.ingested", {"i": 1}, ["ingest:b"]))
+        s.append("failure:f1", NewEvent("failure.classified", {"kind": "tool_call"}, ["trace:t1"]), correlation_id="c1")
+        s.append("eval:e1", NewEvent("eval.created", {}, ["failure:f1"]), correlation_id="c1")
+    return info
+
+
+def test_init_creates_private_home(home, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    info = run_json("init")
+    assert info["home"] == str(home) and info["events"] == 0
+    assert (home.stat().st_mode & 0o777) == 0o700
+    assert run_json("init")["events"] == 0  # idempotent
+
+
+def test_status_counts_and_recent_events(seeded):
+    data = run_json("status", "--last", "2")
+    assert data["events"] == 3 and data["entities"] == {"eval": 1, "failure": 1, "trace": 1}
+    assert [e["type"] for e in data["recent_events"]] == ["eval.created", "failure.classified"]
+    assert "entities (3 events)" in run("status").stdout
+
+
+def test_events_filters(seeded):
+    assert [e["seq"] for e in run_json("events")] == [1, 2, 3]
+    assert [e["stream"] for e in run_json("events", "--type", "failure.classified")] == ["failure:f1"]
+    assert [e["seq"] for e in run_json("events", "--correlation", "c1", "--limit", "1")] == [3]
+    e = run_json("events", "--stream", "trace:*")[0]
+    assert e["causation"] == ["ingest:b"] and e["payload"] == {"i": 1}
+
+
+def test_lineage_down_and_up(seeded):
+    down = run_json("lineage", "eval:e1", "--down")
+    assert [(n["entity_id"], n["depth"]) for n in down["nodes"]] == [("failure:f1", 1), ("trace:t1", 2), ("ingest:b", 3)]
+    up = run_json("lineage", "trace:t1", "--up")
+    assert up["direction"] == "up" and [n["entity_id"] for n in up["nodes"]] == ["failure:f1", "eval:e1"]
+    r = runner.invoke(app, ["lineage", "trace:nope", "--json"])
+    assert r.exit_code == 1 and "unknown entity" in r.output
+
+
+def test_warehouse_rebuild_export_recover(seeded, tmp_path):
+    rebuilt = run_json("warehouse", "rebuild")["rebuilt"]
+    assert rebuilt == {"events": 3, "streams": 3, "entities": 3, "lineage_edges": 3}
+    exported = run_json("warehouse", "export", str(tmp_path / "out"))["exported"]
+    assert set(exported) == {"events", "streams", "entities", "lineage_edges"}
+    assert all((tmp_path / "out" / f"{t}.parquet").exists() for t in exported)
+    rec = run_json("warehouse", "recover")
+    assert rec["wal_set_aside"] is None and rec["events"] == 3
+
+
+def test_bad_config_is_one_line_error(home, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "flywheel.toml").write_text("[gate]\nnope = 1\n")
+    r = runner.invoke(app, ["status", "--json"])
+    assert r.exit_code == 1 and "gate.nope: unknown key" in r.output and r.exception.__class__ is SystemExit

@@ -1,0 +1,286 @@
+"""Event store: appends, idempotence, optimistic concurrency, projections, lineage, export, WAL recovery."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+from flywheel.store import (
+    BATCH_SCHEMA,
+    ConcurrencyError,
+    EventStore,
+    NewEvent,
+    StoreError,
+    canonical_json,
+    compute_event_id,
+)
+
+
+def ev(i: int, causation=()) -> NewEvent:
+    return NewEvent("trace.ingested", {"i": i, "model": "m"}, causation)
+
+
+def batch(rows: list[tuple[str, str, dict, list[str]]]) -> pa.Table:
+    return pa.table(
+        {
+            "stream": [r[0] for r in rows],
+            "type": [r[1] for r in rows],
+            "payload": [canonical_json(r[2]) for r in rows],
+            "causation": [r[3] for r in rows],
+        },
+        schema=BATCH_SCHEMA,
+    )
+
+
+def test_append_assigns_seq_versions_and_deterministic_ids(store):
+    r = store.append("trace:a", [ev(1, ["ingest:b1"]), ev(2)], expected_version=0, correlation_id="cycle:1")
+    assert (r.appended, r.already_recorded, r.first_seq, r.last_seq) == (2, 0, 1, 2)
+    assert r.event_ids == [compute_event_id("trace.ingested", "trace:a", {"i": 1, "model": "m"}),
+                           compute_event_id("trace.ingested", "trace:a", {"model": "m", "i": 2})]
+    events = store.read("trace:a")
+    assert [(e.seq, e.stream_version, e.payload["i"], e.correlation_id) for e in events] == [
+        (1, 1, 1, "cycle:1"), (2, 2, 2, "cycle:1")]
+    assert events[0].causation == ["ingest:b1"] and events[1].causation == []
+    assert store.stream_version("trace:a") == 2 and store.stream_version("trace:none") == 0
+
+
+def test_duplicate_append_is_a_noop_reported_as_already_recorded(store):
+    store.append("trace:a", [ev(1), ev(2)])
+    again = store.append("trace:a", [ev(1), ev(2)], correlation_id="other-run")
+    assert again.is_noop and again.already_recorded == 2
+    # a fully recorded append never raises on a stale version (re-running a stage is safe)
+    assert store.append("trace:a", ev(1), expected_version=0).is_noop
+    mixed = store.append("trace:a", [ev(2), ev(3)])
+    assert (mixed.appended, mixed.already_recorded) == (1, 1)
+    assert [e.stream_version for e in store.read("trace:a")] == [1, 2, 3]
+    assert store.check_integrity() == []
+
+
+def test_stale_expected_version_raises_and_appends_nothing(store):
+    store.append("trace:a", ev(1), expected_version=0)
+    with pytest.raises(ConcurrencyError) as e:
+        store.append("trace:a", [ev(2), ev(3)], expected_version=0)
+    assert (e.value.stream, e.value.expected, e.value.actual) == ("trace:a", 0, 1)
+    assert "trace:a" in str(e.value)
+    assert store.last_seq() == 1 and store.stream_version("trace:a") == 1
+    store.append("trace:a", ev(2), expected_version=1)
+    assert store.stream_version("trace:a") == 2
+
+
+def test_batch_dedups_within_batch_and_against_store_keeping_row_order(store):
+    store.append("trace:b", ev(1))
+    t = batch([
+        ("trace:a", "trace.ingested", {"i": 1}, []),
+        ("trace:b", "trace.ingested", {"i": 1, "model": "m"}, []),   # already recorded
+        ("trace:a", "trace.ingested", {"i": 2}, ["ingest:x"]),
+        ("trace:a", "trace.ingested", {"i": 1}, []),                  # duplicate inside the batch
+        ("trace:b", "trace.ingested", {"i": 9}, []),
+    ])
+    r = store.append_batch(t, correlation_id="c")
+    assert (r.appended, r.already_recorded) == (3, 2)
+    assert [(e.stream, e.stream_version, e.payload["i"]) for e in store.read(after_seq=1)] == [
+        ("trace:a", 1, 1), ("trace:a", 2, 2), ("trace:b", 2, 9)]
+    assert store.check_integrity() == []
+
+
+def test_batch_rejects_unknown_types_nulls_and_invalid_json(store):
+    with pytest.raises(ValueError, match="not in the catalog"):
+        store.append_batch(batch([("trace:a", "trace.nope", {}, [])]))
+    with pytest.raises(ValueError, match="belongs on a 'failure:' stream"):
+        store.append_batch(batch([("trace:a", "failure.classified", {}, [])]))
+    t = pa.table({"stream": ["trace:a"], "type": ["trace.ingested"], "payload": [None], "causation": [[]]},
+                 schema=BATCH_SCHEMA)
+    with pytest.raises(ValueError, match="'payload' has 1 null"):
+        store.append_batch(t)
+    t = pa.table({"stream": ["trace:a"], "type": ["trace.ingested"], "payload": ["{not json"], "causation": [[]]},
+                 schema=BATCH_SCHEMA)
+    with pytest.raises(duckdb.Error):
+        store.append_batch(t)
+    with pytest.raises(TypeError, match="not JSON-serialisable"):
+        store.append("trace:a", NewEvent("trace.ingested", {"x": object()}))
+    assert store.last_seq() == 0 and store.check_integrity() == []
+
+
+def test_read_filters(store):
+    store.append("trace:a", ev(1), correlation_id="r1")
+    store.append("failure:f", NewEvent("failure.classified", {"k": 1}, ["trace:a"]), correlation_id="r2")
+    store.append("trace:b", ev(2), correlation_id="r2")
+    assert [e.stream for e in store.read(stream="trace:*")] == ["trace:a", "trace:b"]
+    assert [e.stream for e in store.read(types="failure.classified")] == ["failure:f"]
+    assert [e.seq for e in store.read(after_seq=1)] == [2, 3]
+    assert [e.seq for e in store.read(correlation_id="r2")] == [2, 3]
+    assert [e.seq for e in store.read(limit=2, newest_first=True)] == [3, 2]
+    arrow = store.read_arrow(stream="trace:*")
+    assert arrow.num_rows == 2 and "event_id" in arrow.column_names
+
+
+def test_entities_projection_follows_latest_event_and_explicit_entity_ids(store):
+    store.append("model:policy", NewEvent("model.registered", {"entity_id": "model:policy/1", "v": 1}, ["run:1"]))
+    store.append("model:policy", NewEvent("model.registered", {"entity_id": "model:policy/2", "v": 2}, ["run:2"]))
+    store.append("trace:a", [ev(1), ev(2)])
+    m1 = store.entity("model:policy/1")
+    assert m1["kind"] == "model" and m1["stream"] == "model:policy" and m1["state"]["v"] == 1
+    t = store.entity("trace:a")
+    assert (t["n_events"], t["first_seq"], t["last_seq"], t["state"]["i"]) == (2, 3, 4, 2)
+    assert store.entity("model:policy") is None  # the stream is not an entity here
+    assert [e["entity_id"] for e in store.entities("model")] == ["model:policy/1", "model:policy/2"]
+    assert store.counts_by_kind() == {"model": 2, "trace": 1}
+
+
+def _chain(store):
+    store.append("trace:t1", ev(1, ["ingest:b"]))
+    store.append("trace:t2", ev(2, ["ingest:b"]))
+    store.append("failure:f1", NewEvent("failure.classified", {}, ["trace:t1", "trace:t2"]))
+    store.append("eval:e1", NewEvent("eval.created", {}, ["failure:f1"]))
+    store.append("suite:train", NewEvent("suite.versioned", {"entity_id": "suite:train@1"}, ["eval:e1"]))
+    store.append("env:train", NewEvent("env.versioned", {"entity_id": "env:train@1"}, ["suite:train@1"]))
+    store.append("rollouts:r1", NewEvent("rollouts.published", {}, ["env:train@1", "model:policy/1"]))
+    store.append("run:1", NewEvent("training.completed", {}, ["rollouts:r1"]))
+    store.append("model:policy", NewEvent("model.registered", {"entity_id": "model:policy/2"}, ["run:1"]))
+
+
+def test_lineage_walks_down_to_traces_and_up_to_models(store):
+    _chain(store)
+    down = dict(store.lineage("model:policy/2", "down"))
+    assert down["run:1"] == 1 and down["rollouts:r1"] == 2 and down["trace:t1"] == 7 and down["ingest:b"] == 8
+    assert down["model:policy/1"] == 3
+    up = dict(store.lineage("trace:t1", "up"))
+    assert up == {"failure:f1": 1, "eval:e1": 2, "suite:train@1": 3, "env:train@1": 4, "rollouts:r1": 5,
+                  "run:1": 6, "model:policy/2": 7}
+    assert dict(store.lineage("model:policy/2", "down", max_depth=2)) == {
+        "run:1": 1, "rollouts:r1": 2}
+    edges = store.lineage_edges("failure:f1")
+    assert ("failure:f1", "trace:t1") in edges and ("trace:t1", "ingest:b") in edges
+    with pytest.raises(ValueError):
+        store.lineage("x", "sideways")
+
+
+def test_rebuilt_projections_equal_incremental(store):
+    _chain(store)
+    store.append("trace:t1", [ev(5, ["ingest:c"]), ev(6, ["ingest:b"])])  # known stream, known edge
+    store.append_batch(batch([(f"trace:x{i}", "trace.ingested", {"i": i}, ["ingest:z"]) for i in range(50)]))
+
+    def snapshot():
+        return {
+            t: store.con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall()
+            for t in ("streams", "entities", "lineage_edges")
+        }
+
+    incremental = snapshot()
+    counts = store.rebuild_projections()
+    assert snapshot() == incremental
+    assert counts["events"] == store.last_seq() and counts["lineage_edges"] == len(incremental["lineage_edges"])
+    assert store.check_integrity() == []
+
+
+def test_export_writes_parquet_readable_elsewhere(store, tmp_path):
+    _chain(store)
+    written = store.export(tmp_path / "export")
+    assert set(written) == {"events", "streams", "entities", "lineage_edges"}
+    con = duckdb.connect()
+    assert con.execute(f"SELECT count(*) FROM '{written['events']}'").fetchall()[0][0] == store.last_seq()
+    assert not [p for p in os.listdir(tmp_path / "export") if ".tmp" in p]
+
+
+def test_files_are_private_and_closed_store_refuses_appends(cfg):
+    s = EventStore(cfg.warehouse)
+    s.append("trace:a", ev(1))
+    s.close()
+    assert (os.stat(cfg.warehouse).st_mode & 0o777) == 0o600
+    with pytest.raises(StoreError, match="closed"):
+        s.append("trace:a", ev(2))
+    with EventStore(cfg.warehouse, read_only=True) as ro:
+        assert ro.last_seq() == 1
+        with pytest.raises(StoreError, match="read-only"):
+            ro.append("trace:a", ev(2))
+
+
+def test_reopen_keeps_events_and_continues_numbering(cfg):
+    with EventStore(cfg.warehouse) as s:
+        s.append("trace:a", [ev(1), ev(2)])
+    with EventStore(cfg.warehouse) as s:
+        assert s.append("trace:a", ev(1)).is_noop
+        assert s.append("trace:a", ev(3)).first_seq == 3
+        assert s.stream_version("trace:a") == 3 and s.check_integrity() == []
+
+
+def test_migrates_a_warehouse_created_by_migration_001(cfg):
+    """A warehouse made with the indexed 001 schema is rebuilt by 002 with its rows intact."""
+    from flywheel.store import _migrations, _split_sql
+
+    version, name, script = _migrations()[0]
+    con = duckdb.connect(str(cfg.warehouse))
+    con.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name VARCHAR, applied_at TIMESTAMPTZ DEFAULT now())")
+    for stmt in _split_sql(script):
+        con.execute(stmt)
+    con.execute("INSERT INTO schema_migrations (version, name) VALUES (?, ?)", [version, name])
+    con.execute("INSERT INTO events VALUES (1, 'ev_x', 'trace:a', 1, 'trace.ingested', '{}', [], NULL, now(), 1)")
+    con.execute("INSERT INTO streams VALUES ('trace:a', 1)")
+    con.close()
+    with EventStore(cfg.warehouse) as s:
+        assert s.last_seq() == 1 and s.stream_version("trace:a") == 1
+        assert s.append("trace:a", ev(1)).first_seq == 2
+        n_idx = s.con.execute("SELECT count(*) FROM duckdb_constraints() WHERE constraint_type IN ('PRIMARY KEY', 'UNIQUE') "
+                              "AND table_name IN ('events', 'streams', 'entities', 'lineage_edges')").fetchall()[0][0]
+        assert n_idx == 0
+
+
+# -- WAL recovery ------------------------------------------------------------------------------
+_WRITE_AND_DIE = textwrap.dedent(
+    """
+    import os, sys
+    from flywheel.store import EventStore, NewEvent
+    s = EventStore(sys.argv[1])
+    s.append("trace:a", NewEvent("trace.ingested", {"i": 1}))
+    s.con.execute("CHECKPOINT")
+    s.append("trace:b", NewEvent("trace.ingested", {"i": 2, "pad": "x" * 2000}))
+    os._exit(0)  # no close: the second append lives only in the WAL
+    """
+)
+
+
+@pytest.fixture
+def corrupt_wal(tmp_path):
+    path = tmp_path / "w.duckdb"
+    subprocess.run([sys.executable, "-c", _WRITE_AND_DIE, str(path)], check=True, timeout=60)
+    wal = tmp_path / "w.duckdb.wal"
+    assert wal.exists()
+    data = bytearray(wal.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # flip a byte inside the second transaction's WAL entry
+    wal.write_bytes(bytes(data))
+    return path
+
+
+def test_unreplayable_wal_is_a_clear_error_without_the_flag(corrupt_wal):
+    with pytest.raises(StoreError) as e:
+        EventStore(corrupt_wal)
+    assert "flywheel warehouse recover" in str(e.value) and "w.duckdb.wal" in str(e.value)
+    assert (corrupt_wal.parent / "w.duckdb.wal").exists()  # nothing was moved
+
+
+def test_recover_wal_sets_it_aside_and_warns(corrupt_wal):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with EventStore(corrupt_wal, recover_wal=True) as s:
+            assert s.recovered_wal is not None and s.recovered_wal.exists()
+            assert ".wal.unreplayed-" in s.recovered_wal.name
+            assert [e.stream for e in s.read()] == ["trace:a"]  # the checkpointed event survives
+            assert s.append("trace:c", NewEvent("trace.ingested", {"i": 3})).first_seq == 2
+    assert any("NOT in the store" in str(w.message) for w in caught)
+
+
+def test_garbage_wal_after_clean_close_is_ignored_by_duckdb(tmp_path):
+    """What DuckDB 2.0 does: a WAL whose header is not a WAL at all is skipped (nothing to replay)."""
+    path = tmp_path / "w.duckdb"
+    with EventStore(path) as s:
+        s.append("trace:a", ev(1))
+    (tmp_path / "w.duckdb.wal").write_bytes(b"garbage" * 100)
+    with EventStore(path) as s:
+        assert s.last_seq() == 1 and s.recovered_wal is None
