@@ -268,6 +268,20 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _drop_none(over: dict[str, Any]) -> dict[str, Any]:
+    # A CLI flag that was not given arrives as None, at any depth ({"gate": {"min_pass_rate": None}}):
+    # it must not override the lower layers.
+    out = {}
+    for k, v in over.items():
+        if isinstance(v, dict):
+            v = _drop_none(v)
+            if v:
+                out[k] = v
+        elif v is not None:
+            out[k] = v
+    return out
+
+
 def _env_layer(environ: dict[str, str]) -> dict[str, Any]:
     layer: dict[str, Any] = {}
     if environ.get("FLYWHEEL_HOME"):
@@ -326,7 +340,7 @@ def load_config(
         data = _deep_merge(data, env)
         sources.append("environment")
     if overrides:
-        data = _deep_merge(data, {k: v for k, v in overrides.items() if v is not None})
+        data = _deep_merge(data, _drop_none(overrides))
         sources.append("CLI flags")
     try:
         return FlywheelConfig.model_validate(data)
