@@ -1,0 +1,130 @@
+"""SFT warm start: demonstrations -> rendered (prompt, answer) token samples, held-out data refused.
+
+When the policy never succeeds (every GRPO group scores the same), group advantages are all zero and
+GRPO learns nothing; a short supervised phase on demonstrations teaches the answer format first
+(issue 12). Demonstrations come from the flywheel itself: corrections of train-split failures,
+reference answers of accepted synthetic tasks, successful production traces. The evals stage builds
+them; this module renders and trains on them.
+
+Rendering goes through ``flywheel.policy.format`` — the ONE format shared with rollouts and serving:
+``prompt = render_prompt(tokenizer, messages, tools)`` and
+``target = render_answer(calls, content) + <end-of-turn>``, where the end-of-turn string is read off
+the tokenizer's own chat template (``<|im_end|>`` for SmolLM2), so a trained model stops where the
+server expects it to.
+
+Guarantees
+- A demonstration whose ``split`` is ``"heldout"`` is refused with :class:`HeldOutDemonstrationError`
+  naming its source; with an event store, a demonstration any of whose lineage ancestors is an
+  ``eval:`` entity recorded with ``split == "heldout"`` is refused too (so a synthetic task derived from
+  a held-out eval cannot leak in under a "train" label).
+- Loss only on answer tokens: the prompt (system, tools, user and tool-observation turns) has no
+  loss mask; the end-of-turn token is part of the answer (the model must learn to stop).
+
+Not covered: near-duplicate detection of held-out prompts (the synth stage decontaminates with
+MinHash before anything becomes a demonstration); multi-turn demonstrations with several assistant
+turns (only the final answer is trained; earlier assistant turns are part of the prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flywheel.train.data import TrainSample
+
+HELDOUT = "heldout"
+
+
+class HeldOutDemonstrationError(ValueError):
+    """A demonstration comes from (or descends from) a held-out eval: training on it would leak the gate."""
+
+
+@dataclass(frozen=True)
+class Demonstration:
+    """A conversation and the answer the policy should have given.
+
+    ``answer_calls`` (a list of ``flywheel.verifiers.ToolCall``) or ``answer_content`` (plain text);
+    ``source_entity_id`` names where it came from (``eval:…``, ``synth:…``, ``trace:…``) and becomes
+    the causation of the training run; ``split`` is that source's split (``train`` / ``heldout``).
+    """
+
+    messages: list[dict]
+    tools: list[dict] | None
+    source_entity_id: str
+    split: str = "train"
+    answer_calls: list[Any] | None = None
+    answer_content: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.answer_calls and self.answer_content is None:
+            raise ValueError(f"demonstration from {self.source_entity_id}: needs answer_calls or answer_content")
+
+
+def check_demonstrations(demos: Sequence[Demonstration], store: Any | None = None) -> None:
+    """Refuse held-out demonstrations (by split, and by lineage when ``store`` is given)."""
+    for i, d in enumerate(demos):
+        if d.split == HELDOUT:
+            raise HeldOutDemonstrationError(
+                f"demonstration {i} from {d.source_entity_id} is in the held-out split: held-out evals "
+                "decide the gate and must never be trained on"
+            )
+    if store is None:
+        return
+    for i, d in enumerate(demos):
+        ancestors = [d.source_entity_id] + [a for a, _ in store.lineage(d.source_entity_id, "down")]
+        for a in ancestors:
+            if not a.startswith("eval:"):
+                continue
+            ent = store.entity(a)
+            if ent is not None and (ent.get("state") or {}).get("split") == HELDOUT:
+                raise HeldOutDemonstrationError(
+                    f"demonstration {i} from {d.source_entity_id} descends from held-out eval {a}: "
+                    "held-out evals must never be trained on"
+                )
+
+
+def end_of_turn(tokenizer: Any) -> str:
+    """The text the chat template puts after an assistant message's content (e.g. ``<|im_end|>``)."""
+    marker = "\u2063FLYWHEEL\u2063"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}], tokenize=False
+    )
+    tail = text.split(marker, 1)[1] if marker in text else ""
+    eot = tail.strip()
+    if eot:
+        # Keep only the first special-looking token; templates may append a newline or a BOS.
+        return eot.split()[0]
+    if tokenizer.eos_token:
+        return tokenizer.eos_token
+    raise ValueError("cannot determine the end-of-turn token: the chat template adds nothing after "
+                     "an assistant message and the tokenizer has no eos_token")
+
+
+def render_demonstration(tokenizer: Any, demo: Demonstration, eot: str | None = None) -> tuple[str, str]:
+    """``(prompt_text, target_text)`` of a demonstration, through the shared format."""
+    from flywheel.policy.format import render_answer, render_prompt
+
+    prompt = render_prompt(tokenizer, demo.messages, demo.tools)
+    target = render_answer(demo.answer_calls or None, demo.answer_content) + (eot or end_of_turn(tokenizer))
+    return prompt, target
+
+
+def demonstration_samples(
+    tokenizer: Any, demos: Sequence[Demonstration], *, max_seq_len: int | None = None
+) -> list[TrainSample]:
+    """Tokenised SFT samples: loss mask 1 on every answer token (end-of-turn included), 0 on the prompt."""
+    eot = end_of_turn(tokenizer)
+    out = []
+    for i, d in enumerate(demos):
+        prompt, target = render_demonstration(tokenizer, d, eot)
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(target, add_special_tokens=False)["input_ids"]
+        if max_seq_len is not None and len(p) + len(c) > max_seq_len:
+            raise ValueError(
+                f"demonstration {i} from {d.source_entity_id}: {len(p) + len(c)} tokens > max_seq_len {max_seq_len}"
+            )
+        out.append(
+            TrainSample(prompt_ids=list(p), completion_ids=list(c), loss_mask=[1] * len(c), group_id=d.source_entity_id)
+        )
+    return out

@@ -1,0 +1,349 @@
+"""Training stages (what the CLI and the Prefect flows call): GRPO on rollouts, SFT on demonstrations.
+
+Each stage: loads the base policy, trains with :class:`flywheel.train.trainer.Trainer`, records an
+MLflow run (params, per-step metrics, input entity ids as tags), registers the result as a new version
+of ``cfg.cycle.model_name`` with alias ``challenger``, and appends ``training.completed`` (stream
+``run:<id>``) and ``model.registered`` (stream ``model:<name>``) events.
+
+What a registered version holds
+- LoRA (``lora_r > 0``): the peft adapter (``adapter_config.json``, ``adapter_model.safetensors``),
+  the tokenizer, and ``flywheel-train.json``; the version is tagged ``adapter=lora`` and
+  ``base_model=<spec or directory>``. Weights are NOT merged: load with :func:`load_policy` (or
+  ``load_model(base_model, adapter=dir)``); vLLM serves it as a LoRA module on the base model.
+- Full fine-tuning: a complete Hugging Face model directory (``adapter=full``).
+
+``base`` may be a model spec (``tiny``, ``smollm2-135m``, a local directory) or a registered
+version ``model:<name>/<N>``; training from a LoRA version continues its adapter.
+
+Lineage: ``training.completed`` is caused by the rollout datasets (GRPO) or the demonstration
+sources (SFT: eval/synth/trace ids) plus the base model's entity id (``model:<name>/<N>`` or
+``model:base/<spec>``); ``model.registered`` is caused by the run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flywheel.train.sft import Demonstration
+
+ADAPTER_MARKER = "adapter_config.json"
+
+
+@dataclass
+class TrainResult:
+    run_id: str  # run:<id>
+    model_version: int
+    model_entity: str  # model:<name>/<version>
+    metrics: dict[str, float]
+    mode: str = "grpo"
+    mlflow_run_id: str = ""
+    steps: int = 0
+    adapter: str = "lora"
+    base: str = ""
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "history"}
+
+
+class TrainStageError(RuntimeError):
+    """A training stage cannot run; the message names the input and the reason."""
+
+
+# -- base model resolution ---------------------------------------------------------------------------
+
+
+def base_entity(base: str) -> str:
+    """Entity id of a base: ``model:<name>/<N>`` as is, a spec as ``model:base/<name>``."""
+    if base.startswith("model:"):
+        return base
+    return f"model:base/{Path(base).name or base}"
+
+
+def parse_model_entity(entity: str) -> tuple[str, int]:
+    """``model:policy/3 -> ("policy", 3)``; raises a clear error otherwise."""
+    body = entity.removeprefix("model:")
+    name, _, ver = body.rpartition("/")
+    if not entity.startswith("model:") or not name or not ver.isdigit():
+        raise TrainStageError(f"{entity!r} is not a model version id (expected model:<name>/<version>)")
+    return name, int(ver)
+
+
+def load_policy(cfg: Any, tracker: Any, base: str, *, device: str = "cpu") -> tuple[Any, Any, str]:
+    """Load ``base`` (spec or ``model:<name>/<N>``) -> ``(model, tokenizer, base_model_spec)``.
+
+    ``base_model_spec`` is what a LoRA adapter trained from it must be applied to.
+    """
+    from flywheel.policy.models import load_model
+
+    if not base.startswith("model:"):
+        model, tok = load_model(base, home=cfg.home, device=device, dtype=cfg.policy.dtype)
+        return model, tok, base
+    name, version = parse_model_entity(base)
+    directory = tracker.model_dir(name, version)
+    tags = dict(getattr(tracker.model_version(name, version), "tags", {}) or {})
+    if (Path(directory) / ADAPTER_MARKER).exists():
+        spec = tags.get("base_model")
+        if not spec:
+            raise TrainStageError(f"{base}: a LoRA adapter without a base_model tag; cannot load it")
+        model, tok = load_model(spec, home=cfg.home, device=device, dtype=cfg.policy.dtype, adapter=directory)
+        return model, tok, spec
+    model, tok = load_model(str(directory), home=cfg.home, device=device, dtype=cfg.policy.dtype)
+    return model, tok, str(directory)
+
+
+# -- shared run/registration plumbing ------------------------------------------------------------------
+
+
+def _options(cfg: Any, *, objective: str, lr: float, steps: int, overrides: dict[str, Any]) -> Any:
+    from flywheel.train.trainer import TrainerOptions
+
+    t = cfg.train
+    opts = TrainerOptions(
+        objective=objective, lr=lr, total_steps=max(steps, 1), warmup_steps=t.warmup_steps, grad_clip=t.grad_clip,
+        micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing,
+        lora_r=t.lora_r, lora_alpha=t.lora_alpha, loss_config=t.objective,
+        max_completion_len=t.objective.max_completion_len or cfg.rollout.max_new_tokens, deepspeed=t.deepspeed,
+    )
+    for k, v in overrides.items():
+        if not hasattr(opts, k):
+            raise TrainStageError(f"unknown trainer option {k!r}")
+        setattr(opts, k, v)
+    return opts
+
+
+def _device(cfg: Any) -> str:
+    from flywheel.policy.models import resolve_device
+
+    return resolve_device(cfg.policy.device)
+
+
+def _train_and_register(
+    cfg: Any, store: Any, tracker: Any, *, mode: str, base: str, consumes: list[str], model: Any, tokenizer: Any,
+    base_spec: str, options: Any, steps: int, step_batches: Callable[[Any], Any],
+    on_step: Callable[[int, dict[str, float]], None] | None, extra_params: dict[str, Any], run_payload: dict[str, Any],
+) -> TrainResult:
+    from flywheel.store import NewEvent
+    from flywheel.train.trainer import Trainer
+
+    run_id = f"run:{uuid.uuid4().hex[:16]}"
+    name = cfg.cycle.model_name
+    base_ent = base_entity(base)
+    causation = list(dict.fromkeys([*consumes, base_ent]))
+    if tokenizer.pad_token_id is not None:
+        options.pad_id = int(tokenizer.pad_token_id)
+    trainer = Trainer(model, options, device=_device(cfg))
+    history: list[dict[str, float]] = []
+    adapter = "lora" if trainer.is_lora else "full"
+    with tracker.run(f"train-{mode}", consumes=causation, produces=[run_id],
+                     tags={"flywheel.run": run_id, "flywheel.mode": mode, "base_model": base_spec}) as run:
+        run.log_params({
+            "mode": mode, "objective": options.objective, "lr": options.lr, "steps": steps,
+            "lora_r": options.lora_r, "lora_alpha": options.lora_alpha, "micro_batch_tokens": options.micro_batch_tokens,
+            "warmup_steps": options.warmup_steps, "grad_clip": options.grad_clip, "logprob_impl": options.logprob_impl,
+            "deepspeed": options.deepspeed or "", "base": base, "base_model": base_spec,
+            "n_params": trainer.n_params, "n_trainable": trainer.n_trainable,
+            **{f"objective.{k}": v for k, v in options.loss_config.model_dump().items()},
+            **extra_params,
+        })
+        t0 = time.perf_counter()
+        for batch in step_batches(trainer):
+            m = trainer.step(batch)
+            flat = m.flat()
+            history.append(flat)
+            run.log_metrics({k: v for k, v in flat.items() if k != "step"}, step=m.step)
+            if on_step is not None:
+                on_step(m.step, flat)
+        wall = time.perf_counter() - t0
+        summary = _summary(history, wall)
+        run.log_metrics({f"final.{k}": v for k, v in summary.items()}, step=len(history))
+        tmp = Path(tempfile.mkdtemp(prefix="flywheel-train-", dir=cfg.home))
+        try:
+            trainer.save(tmp)
+            tokenizer.save_pretrained(str(tmp))
+            (tmp / "flywheel-train.json").write_text(json.dumps(
+                {"run": run_id, "mode": mode, "adapter": adapter, "base_model": base_spec, "base": base,
+                 "consumes": causation}, indent=1, sort_keys=True))
+            version = tracker.register_model(
+                name, tmp, run_id=run.run_id,
+                tags={"base_model": base_spec, "adapter": adapter, "flywheel.run": run_id, "mode": mode, "base": base},
+            )
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        tracker.set_alias(name, "challenger", version)
+    model_ent = f"model:{name}/{version}"
+    store.append(run_id, NewEvent("training.completed", {
+        "entity_id": run_id, "mlflow_run_id": run.run_id, "mode": mode, "objective": options.objective,
+        "steps": len(history), "loss": summary.get("loss"), "metrics": summary, "base": base, "base_model": base_spec,
+        "adapter": adapter, **run_payload,
+    }, causation))
+    store.append(f"model:{name}", NewEvent("model.registered", {
+        "entity_id": model_ent, "name": name, "version": version, "run": run_id, "mlflow_run_id": run.run_id,
+        "adapter": adapter, "base_model": base_spec, "aliases": ["challenger"],
+    }, [run_id]))
+    return TrainResult(run_id=run_id, model_version=version, model_entity=model_ent, metrics=summary, mode=mode,
+                       mlflow_run_id=run.run_id, steps=len(history), adapter=adapter, base=base, history=history)
+
+
+def _summary(history: list[dict[str, float]], wall: float) -> dict[str, float]:
+    if not history:
+        return {"wall_s": wall}
+    last = history[-1]
+    tokens = sum(h["tokens"] for h in history)
+    out = {k: float(v) for k, v in last.items() if k not in ("step", "seconds", "tokens_per_s")}
+    out["first_loss"] = float(history[0]["loss"])
+    out["tokens_per_s"] = tokens / max(sum(h["seconds"] for h in history), 1e-9)
+    out["wall_s"] = wall
+    return out
+
+
+# -- GRPO -------------------------------------------------------------------------------------------
+
+
+def train_grpo(
+    cfg: Any,
+    store: Any,
+    artifacts: Any,
+    tracker: Any,
+    rollout_ids: Sequence[str],
+    *,
+    base: str | None = None,
+    loss: str | None = None,
+    steps: int | None = None,
+    rollout_fn: Callable[[Any], Any] | None = None,
+    iterations: int = 1,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    **options: Any,
+) -> TrainResult:
+    """GRPO-family training on published rollout datasets; registers the result as ``challenger``.
+
+    ``steps`` optimizer steps per iteration of ``cfg.train.batch_size`` sequences (whole groups). With
+    ``iterations > 1`` and a ``rollout_fn`` (:class:`flywheel.train.trainer.RolloutCallback`), later
+    iterations sample fresh rollouts from the current policy; a returned table whose schema metadata
+    carries ``flywheel.entity_id`` (a published ``rollouts:<id>``) is added to the run's causation.
+    ``options`` override :class:`~flywheel.train.trainer.TrainerOptions` fields (e.g. ``logprob_impl``).
+    """
+    from flywheel.train.data import load_rollout_tables, samples_from_rollouts
+    from flywheel.train.trainer import batches
+
+    if not rollout_ids:
+        raise TrainStageError("train_grpo needs at least one rollout dataset id")
+    if iterations > 1 and rollout_fn is None:
+        raise TrainStageError("iterations > 1 needs a rollout_fn to sample fresh rollouts")
+    base = base or cfg.policy.base_model
+    variant = loss or cfg.train.loss
+    n_steps = cfg.train.steps if steps is None else steps
+    tables = load_rollout_tables(store, artifacts, rollout_ids)
+    consumes = [eid for eid, _, _ in tables]
+
+    def to_samples(table: Any) -> list[Any]:
+        return samples_from_rollouts(
+            table, scale=cfg.rollout.advantage, objective=cfg.train.objective,
+            max_completion_len=cfg.rollout.max_new_tokens,
+        )[0]
+
+    samples, stats_list = [], []
+    for eid, table, _ in tables:
+        s, st = samples_from_rollouts(table, scale=cfg.rollout.advantage, objective=cfg.train.objective,
+                                      max_completion_len=cfg.rollout.max_new_tokens, source=eid)
+        for x in s:  # group ids are only unique within one dataset
+            x.group_id = f"{eid}#{x.group_id}"
+        samples.extend(s)
+        stats_list.append(st.to_dict())
+    if not samples:
+        raise TrainStageError(f"rollouts {consumes}: no usable samples (all rows had infra errors?)")
+    model, tok, base_spec = load_policy(cfg, tracker, base, device=_device(cfg))
+    opts = _options(cfg, objective=variant, lr=cfg.train.lr, steps=n_steps * iterations, overrides=options)
+
+    def step_batches(trainer: Any):
+        current = samples
+        for it in range(iterations):
+            if it > 0:
+                trainer.policy.eval()
+                table = rollout_fn(trainer.policy)
+                trainer.policy.train()
+                meta = (table.schema.metadata or {}).get(b"flywheel.entity_id")
+                if meta:
+                    consumes.append(meta.decode())
+                current = to_samples(table)
+                if not current:
+                    continue
+            if n_steps > 1:
+                trainer.compute_old_logprobs(current)
+            yield from batches(current, cfg.train.batch_size, n_steps, seed=cfg.train.seed + it)
+
+    return _train_and_register(
+        cfg, store, tracker, mode="grpo", base=base, consumes=consumes, model=model, tokenizer=tok,
+        base_spec=base_spec, options=opts, steps=n_steps, step_batches=step_batches, on_step=on_step,
+        extra_params={"iterations": iterations, "advantage": cfg.rollout.advantage, "batch_size": cfg.train.batch_size,
+                      "rollout_rows": sum(s["rows"] for s in stats_list)},
+        run_payload={"rollouts": consumes, "rollout_stats": stats_list},
+    )
+
+
+# -- SFT --------------------------------------------------------------------------------------------
+
+
+def train_sft(
+    cfg: Any,
+    store: Any,
+    artifacts: Any,
+    tracker: Any,
+    demonstrations: Sequence[Demonstration],
+    *,
+    base: str | None = None,
+    steps: int | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+    **options: Any,
+) -> TrainResult:
+    """Supervised warm start on demonstrations (answer tokens only); registers the result as ``challenger``.
+
+    Refuses held-out demonstrations (:class:`flywheel.train.sft.HeldOutDemonstrationError`) before
+    loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
+    ``cfg.train.sft_lr`` unless ``steps``/``options`` override them.
+    """
+    from flywheel.train.sft import check_demonstrations, demonstration_samples
+    from flywheel.train.trainer import batches
+
+    if not demonstrations:
+        raise TrainStageError("train_sft needs at least one demonstration")
+    check_demonstrations(demonstrations, store)
+    base = base or cfg.policy.base_model
+    n_steps = cfg.train.sft_steps if steps is None else steps
+    model, tok, base_spec = load_policy(cfg, tracker, base, device=_device(cfg))
+    samples = demonstration_samples(tok, demonstrations)
+    # Each demonstration is its own group, so `batches` shuffles them individually.
+    lr = options.pop("lr", cfg.train.sft_lr)
+    opts = _options(cfg, objective="sft", lr=lr, steps=n_steps, overrides=options)
+    sources = list(dict.fromkeys(d.source_entity_id for d in demonstrations))
+
+    def step_batches(trainer: Any):
+        yield from batches(samples, cfg.train.batch_size, n_steps, seed=cfg.train.seed)
+
+    return _train_and_register(
+        cfg, store, tracker, mode="sft", base=base, consumes=sources, model=model, tokenizer=tok,
+        base_spec=base_spec, options=opts, steps=n_steps, step_batches=step_batches, on_step=on_step,
+        extra_params={"demonstrations": len(demonstrations), "batch_size": cfg.train.batch_size},
+        run_payload={"demonstrations": len(demonstrations), "sources": len(sources)},
+    )
+
+
+def choose_mode(zero_variance_share: float, pass_at_k: float, *, threshold: float) -> tuple[str, str]:
+    """``auto`` policy of issue 12: ``("sft", why)`` when GRPO would learn (almost) nothing, else grpo.
+
+    SFT first when the share of zero-variance groups exceeds ``threshold`` (default 0.9) or no
+    sample passed at all (pass@K = 0): every advantage is then (nearly) zero.
+    """
+    if pass_at_k <= 0.0:
+        return "sft", "pass@K is 0: no sample ever passed, every GRPO advantage would be 0"
+    if zero_variance_share > threshold:
+        return "sft", f"{zero_variance_share:.0%} of groups have zero reward variance (> {threshold:.0%})"
+    return "grpo", f"{zero_variance_share:.0%} zero-variance groups, pass@K {pass_at_k:.2f}"

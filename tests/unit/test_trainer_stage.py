@@ -1,0 +1,101 @@
+"""train_grpo end to end on a tiny model: MLflow run + registered version + events + lineage."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from flywheel.schemas.rollouts import ROLLOUT_SCHEMA
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny random model, built once per session (tokenizer conversion from the GGUF takes ~5 s)."""
+    from flywheel.policy.models import ensure_base_model
+
+    return str(ensure_base_model("tiny", tmp_path_factory.mktemp("models")))
+
+
+def rollout_table(n_groups: int = 2, k: int = 4) -> pa.Table:
+    rows = {f.name: [] for f in ROLLOUT_SCHEMA}
+    for g in range(n_groups):
+        for i in range(k):
+            r = float(i % 2)
+            comp = [100 + g, 200 + i, 300]
+            vals = {
+                "task_id": f"t{g}", "env_id": "env:train@1", "group_id": f"g{g}", "sample_idx": i,
+                "policy_version": "model:base/tiny", "messages": "[]", "completion": "x",
+                "prompt_token_ids": [1, 50 + g, 60], "completion_token_ids": comp,
+                "sampler_logprobs": [-10.0, -10.5, -11.0], "loss_mask": [1, 1, 1], "truncated": False,
+                "reward": r, "reward_components": [("pass", r)], "passed": r > 0, "advantage": 0.0,
+                "finish_reason": "stop", "infra_error": "sandbox died" if (g, i) == (1, 3) else None,
+                "generation_ms": 1.0, "verify_ms": 1.0,
+            }
+            for key, v in vals.items():
+                rows[key].append(v)
+    return pa.table(rows, schema=ROLLOUT_SCHEMA)
+
+
+def publish(store, artifacts, rid: str, table: pa.Table) -> str:
+    from flywheel.store import NewEvent
+
+    ref = artifacts.put_table(table)
+    eid = f"rollouts:{rid}"
+    store.append(eid, NewEvent("rollouts.published", {
+        "entity_id": eid, "artifact": {"sha256": ref.sha256, "rows": ref.rows}, "env_ids": ["env:train@1"],
+        "policy": "model:base/tiny", "stats": {},
+    }, ["env:train@1"]))
+    return eid
+
+
+@pytest.mark.slow
+def test_train_grpo_registers_challenger_and_records_lineage(cfg, store, tiny_dir):
+    from flywheel.artifacts import open_artifacts
+    from flywheel.tracking import Tracker
+    from flywheel.train.stage import train_grpo
+
+    cfg.train.lora_r = 4
+    cfg.train.batch_size = 8
+    artifacts = open_artifacts(cfg)
+    tracker = Tracker(cfg)
+    rid = publish(store, artifacts, "r1", rollout_table())
+    res = train_grpo(cfg, store, artifacts, tracker, [rid], base=tiny_dir, loss="dapo", steps=2, lr=1e-3)
+    assert res.model_entity == f"model:{cfg.cycle.model_name}/{res.model_version}"
+    assert res.steps == 2 and res.adapter == "lora"
+    assert tracker.get_alias_version(cfg.cycle.model_name, "challenger") == res.model_version
+    d = tracker.model_dir(cfg.cycle.model_name, res.model_version)
+    assert (d / "adapter_config.json").exists() and (d / "flywheel-train.json").exists()
+    ev = store.read(res.run_id)[0]
+    assert ev.type == "training.completed" and set(ev.causation) == {rid, "model:base/tiny"}
+    assert ev.payload["mlflow_run_id"] == res.mlflow_run_id
+    # 7 of 8 rows used: the infra error is excluded, never scored.
+    assert ev.payload["rollout_stats"][0]["infra_errors"] == 1
+    reg = store.read(f"model:{cfg.cycle.model_name}")[-1]
+    assert reg.type == "model.registered" and reg.causation == [res.run_id]
+    ancestors = {a for a, _ in store.lineage(res.model_entity, "down")}
+    assert {res.run_id, rid, "env:train@1"} <= ancestors
+    run = tracker.get_run(res.mlflow_run_id)
+    assert "loss" in run.data.metrics and "grad_norm" in run.data.metrics
+    assert run.data.tags["flywheel.input.0"] == rid
+
+    # Continue training from the registered LoRA version: its adapter is loaded and trained further.
+    res2 = train_grpo(cfg, store, artifacts, tracker, [rid], base=res.model_entity, steps=1)
+    assert res2.model_version == res.model_version + 1
+    assert res.model_entity in store.read(res2.run_id)[0].causation
+
+
+def test_unknown_rollouts_are_refused(cfg, store):
+    from flywheel.artifacts import open_artifacts
+    from flywheel.tracking import Tracker
+    from flywheel.train.data import TrainDataError
+    from flywheel.train.stage import train_grpo
+
+    with pytest.raises(TrainDataError, match="rollouts:nope: no rollouts.published"):
+        train_grpo(cfg, store, open_artifacts(cfg), Tracker(cfg), ["nope"], base="tiny")
+
+
+def test_choose_mode():
+    from flywheel.train.stage import choose_mode
+
+    assert choose_mode(0.5, 0.0, threshold=0.9)[0] == "sft"
+    assert choose_mode(0.95, 0.2, threshold=0.9)[0] == "sft"
+    assert choose_mode(0.5, 0.2, threshold=0.9)[0] == "grpo"
