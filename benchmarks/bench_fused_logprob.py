@@ -165,6 +165,8 @@ def _fmt(r: dict, phase: str) -> str:
     s = f"{p['head_peak_bytes'] / _MIB:9.1f} MiB  {p['time_s']:8.3f} s"
     if r["device"] == "cuda":
         s += f"  {r['flops_' + phase] / p['time_s'] / 1e12:7.1f} TFLOP/s"
+        if phase == "train" and r["method"] != "naive":  # the recompute GEMM, executed but not credited
+            s += f" ({r['flops_' + phase] * 4 / 3 / p['time_s'] / 1e12:.1f} executed)"
     return s
 
 
@@ -205,6 +207,8 @@ def main(argv=None) -> int:
     print(
         f"(full logits would be {n * v * (2 if args.dtype == 'bf16' else 4) / _MIB:.0f} MiB in {args.dtype})"
     )
+    if args.device == "cpu":
+        print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs (shared machine)")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         methods = ([] if args.no_naive else ["naive"]) + [fused]
@@ -246,6 +250,8 @@ def main(argv=None) -> int:
             r = _spawn(args, fused, chunk=c)
             print(f"  chunk {c:>5}: {_fmt(r, 'train')}")
             results[f"{fused}@{c}"] = r
+    if args.device == "cpu":
+        print(f"load average at end: {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
