@@ -52,3 +52,15 @@ def make_lora_adapter(home: Path, out_dir: Path, *, seed: int = 0, r: int = 4) -
                     p.mul_(20.0)
     peft_model.save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+_SESSION_HOME: Path | None = None
+
+
+def session_tiny_home(tmp_path_factory: Any) -> Path:
+    """One tiny-model home per test process, shared by every test module that asks (pytest's
+    ``tmp_path_factory`` is session-scoped), so the ~5 s tokenizer conversion runs once per run."""
+    global _SESSION_HOME
+    if _SESSION_HOME is None or not (_SESSION_HOME / "models" / "base" / TINY).exists():
+        _SESSION_HOME = tiny_model_home(tmp_path_factory.mktemp("tiny-policy-home"))
+    return _SESSION_HOME

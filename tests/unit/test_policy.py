@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flywheel.policy.base import Sample, SamplingParams, coerce_params, per_prompt_tools
-from flywheel.policy.testing import make_lora_adapter, tiny_model_home, tiny_policy
+from flywheel.policy.testing import make_lora_adapter, session_tiny_home, tiny_policy
 
 PROMPTS = [
     [{"role": "user", "content": "hi"}],
@@ -31,7 +31,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def tiny_home(tmp_path_factory):
-    return tiny_model_home(tmp_path_factory.mktemp("policy-home"))
+    return session_tiny_home(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
