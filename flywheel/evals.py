@@ -634,6 +634,7 @@ class EvalsSummary:
     skipped: list[dict] = field(default_factory=list)
     excluded_from_gate: int = 0
     events_appended: int = 0
+    empty_suites: list[str] = field(default_factory=list)
 
     @property
     def n_created(self) -> int:
@@ -649,6 +650,7 @@ class EvalsSummary:
             "skipped": list(self.skipped),
             "skipped_by_reason": dict(Counter(s["reason_kind"] for s in self.skipped)),
             "excluded_from_gate": self.excluded_from_gate,
+            "empty_suites": list(self.empty_suites),
             "events_appended": self.events_appended,
         }
 
@@ -820,9 +822,7 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
             members.append(task_from_state(st))
         latest = store.read(stream=f"suite:{name}", types="suite.versioned")
         if not members and not latest:
-            summary.skipped.append(
-                {"origin": f"suite:{name}", "reason": f"suite:{name}: no members", "reason_kind": "no members"}
-            )
+            summary.empty_suites.append(name)  # never versioned empty: nothing to gate or train on
             continue
         entity, new = _version_suite(store, artifacts, name, members, correlation_id)
         summary.events_appended += int(new)
