@@ -51,11 +51,15 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--skip-naive", action="store_true", help="only the HF backend (e.g. 64 prompts on a GPU)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--home", default=os.environ.get("FLYWHEEL_HOME", ".flywheel"))
     args = ap.parse_args()
     n_prompts = args.prompts or (2 if args.quick else 8)
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from flywheel.policy.base import SamplingParams
     from flywheel.policy.format import render_prompt
