@@ -317,3 +317,18 @@ def test_connection_errors_are_retried_then_typed():
     finally:
         openai_http._BACKOFF_BASE_S = openai_http_base
     assert e.value.status is None
+
+
+def test_cli_refuses_a_public_bind_without_a_key(tmp_path, monkeypatch):
+    import typer
+    from typer.testing import CliRunner
+
+    from flywheel.cli import serve as serve_cli
+
+    monkeypatch.delenv("FLYWHEEL_API_KEY", raising=False)
+    app = typer.Typer()
+    serve_cli.register(app)
+    app.command("noop")(lambda: None)  # a second command keeps typer in multi-command mode
+    result = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--model", "tiny", "--home", str(tmp_path / "h")])
+    assert result.exit_code == 2
+    assert "requires an API key" in result.output
