@@ -385,6 +385,14 @@ def _trace_fields(state: dict) -> tuple[list[dict], list[dict], dict]:
     return messages, tools, outcome
 
 
+def trace_correction(state: dict) -> list[dict] | None:
+    trace = state.get("trace") if isinstance(state.get("trace"), dict) else state
+    corr = trace.get("correction")
+    if isinstance(corr, dict) and isinstance(corr.get("tool_calls"), list):
+        return corr["tool_calls"]
+    return None
+
+
 def trace_status(state: dict) -> str | None:
     _, _, outcome = _trace_fields(state)
     trace = state.get("trace") if isinstance(state.get("trace"), dict) else state
@@ -395,7 +403,8 @@ def compile_success(trace_id: str, state: dict) -> dict:
     """Compile a successful trace into a regression task record (the recorded answer must verify).
 
     - final answer = tool calls, no tool turn after the last user turn -> single turn, ``tool_call``
-      with the recorded calls as literal expectations;
+      with the trace's correction as expectation when it carries one (BFCL's possible answers),
+      else the recorded calls as literals;
     - tool calls answered by tool turns, then a final text answer -> ``tool_loop`` with the
       recorded tool outputs as the environment, verified on the calls the model makes
       (``tool_call`` over the trajectory's calls);
@@ -441,7 +450,10 @@ def compile_success(trace_id: str, state: dict) -> dict:
         vkind = "python_tests"
     elif len(episode) == 1 and _message_calls(final):
         calls = _message_calls(final) or []
-        spec = _tool_call_spec(tools, calls)
+        correction = trace_correction(state)
+        # A trace that carries the allowed answers (BFCL's possible answers) is checked against them,
+        # not against the one literal answer that happened to be given.
+        spec = _tool_call_spec(tools, correction if correction is not None else calls)
         reference = {"tool_calls": calls}
         vkind = "tool_call"
     elif all_calls and recorded:

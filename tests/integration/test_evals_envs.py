@@ -1,0 +1,130 @@
+"""Production traffic -> ingest -> evals -> suites -> env -> episodes, through the real stages and CLI.
+
+BFCL questions answered by a "production model" (half right, half wrong in typical ways) are
+ingested with the BFCL replay adapter; every compiled eval must pass with its reference and fail
+with the recorded failing answer; the env must run through the harness; rebuilding appends nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from flywheel.artifacts import open_artifacts
+from flywheel.cli import app
+from flywheel.envs.harness import run_episodes, verify_task
+from flywheel.envs.testing import ScriptedPolicy
+from flywheel.evals import load_suite
+from flywheel.policy.base import SamplingParams
+from flywheel.policy.format import render_answer
+from flywheel.store import open_store
+from flywheel.verifiers import ToolCall
+from flywheel.verifiers.bfcl import load_bfcl, reference_calls
+
+N = 40
+
+
+def _wrong(calls: list[ToolCall], i: int) -> str:
+    """Typical production mistakes, cycling: prose, a dropped argument, a wrong value, a wrong name."""
+    c = calls[0]
+    mode = i % 4
+    if mode == 0:
+        return "I think you should look that up yourself."
+    if mode == 1 and c.arguments:
+        k = sorted(c.arguments)[0]
+        return render_answer([ToolCall(c.name, {a: v for a, v in c.arguments.items() if a != k})])
+    if mode == 2 and c.arguments:
+        k = sorted(c.arguments)[0]
+        v = c.arguments[k]
+        bad = (v + 1000) if isinstance(v, int | float) and not isinstance(v, bool) else "zzz-not-it"
+        return render_answer([ToolCall(c.name, {**c.arguments, k: bad})])
+    return render_answer([ToolCall(c.name + "_v2", c.arguments)])
+
+
+@pytest.fixture
+def replay_file(tmp_path):
+    lines = []
+    for i, item in enumerate(load_bfcl("simple_python", limit=N)):
+        ref = reference_calls(item.possible_answer)
+        answer = render_answer(ref) if i % 2 == 0 else _wrong(ref, i)
+        lines.append(json.dumps({"bfcl_id": item.id, "answer": answer, "model": "prod-v1",
+                                 "timestamp": f"2026-11-02T08:{i % 60:02d}:00Z"}))
+    p = tmp_path / "replay.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def _cli(*args: str) -> dict:
+    res = CliRunner().invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+@pytest.mark.slow
+def test_bfcl_traffic_to_evals_to_env_to_episodes(cfg, replay_file):
+    from flywheel.ingest import ingest_paths
+
+    arts = open_artifacts(cfg)
+    with open_store(cfg) as s:
+        summary = ingest_paths(cfg, s, arts, [str(replay_file)], fmt="bfcl")
+        assert summary.successes == N // 2
+
+    built = _cli("evals", "build")
+    assert sum(built["created"].values()) == N  # 20 failures + 20 regression successes
+    assert built["splits"]["regression"] == N // 2
+    assert built["splits"].get("train", 0) + built["splits"].get("heldout", 0) + built["splits"].get("excluded", 0) == N // 2
+    envs = _cli("envs", "build")
+    assert envs["envs"][0]["env"] == "env:train@1"
+
+    with open_store(cfg) as s:
+        # Every failure eval passes with its reference and fails with the answer that failed.
+        evals = [e["state"] for e in s.entities("eval")]
+        failures = {e["entity_id"]: e["state"] for e in s.entities("failure")}
+        for st in evals:
+            task = {k: st[k] for k in ("task_id", "prompt", "verifier", "harness", "tool_env", "reference", "metadata")}
+            ref = task["reference"]["tool_calls"]
+            good = {"role": "assistant", "content": render_answer([ToolCall(c["name"], c["arguments"]) for c in ref])}
+            assert verify_task(task, [*task["prompt"]["messages"], good]).passed, task["task_id"]
+            if st["split"] != "regression":
+                assert st["verifier"]["kind"] == "tool_call" and st["metadata"]["source"] == "bfcl"
+                bad = failures[st["origin_failure"]]["bad_answer"]
+                assert not verify_task(task, [*task["prompt"]["messages"], bad]).passed, task["task_id"]
+        reg = load_suite(s, arts, "regression")
+        assert len(reg.tasks) == N // 2
+
+    listed = _cli("envs", "list")
+    assert listed[0]["env"] == "env:train@1" and listed[0]["tasks"] == envs["envs"][0]["tasks"]
+    shown = _cli("envs", "show", "train")
+    assert shown["tasks"] == len(shown["task_records"]) and shown["by_verifier"] == {"tool_call": shown["tasks"]}
+
+    # The env runs through the harness: a policy that answers with each task's reference passes all.
+    refs = {t["task_id"]: render_answer([ToolCall(c["name"], c["arguments"]) for c in t["reference"]["tool_calls"]])
+            for t in shown["task_records"]}
+    prompt_of = {json.dumps(t["prompt"]["messages"][-1]["content"]): t["task_id"] for t in shown["task_records"]}
+
+    def oracle(prompt_text: str, j: int) -> str:
+        tid = next(t for q, t in prompt_of.items() if json.loads(q) in prompt_text)
+        return refs[tid] if j == 0 else "no idea"
+
+    eps = run_episodes(shown["task_records"], ScriptedPolicy(oracle), SamplingParams(n=2, max_new_tokens=512), context=cfg)
+    assert all(row[0].passed and not row[1].passed for row in eps)
+
+    # Rebuilding everything from the same inputs appends nothing.
+    with open_store(cfg) as s:
+        seq = s.last_seq()
+    assert _cli("evals", "build")["events_appended"] == 0
+    assert _cli("envs", "build")["events_appended"] == 0
+    with open_store(cfg) as s:
+        assert s.last_seq() == seq
+
+
+def test_cli_tables_and_errors(cfg):
+    runner = CliRunner()
+    res = runner.invoke(app, ["evals", "build"])
+    assert res.exit_code == 0 and "splits" in res.output
+    res = runner.invoke(app, ["envs", "show", "train"])
+    assert res.exit_code == 1 and "envs build" in res.output
+    res = runner.invoke(app, ["envs", "list", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout) == []
