@@ -1,0 +1,92 @@
+"""SFT: loss masking (hand-built), held-out demonstrations refused (split and lineage), rendering."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flywheel.train.data import TrainSample, make_micro_batches
+from flywheel.train.losses import LossInputs, sft_loss
+from flywheel.train.sft import Demonstration, HeldOutDemonstrationError, check_demonstrations
+from flywheel.train.trainer import sequence_logprobs
+
+
+def tiny_lm():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32,
+    ))
+
+
+def test_gradients_flow_only_from_answer_tokens():
+    # Hand-built: prompt [1, 5, 6, 7] (4 tokens), answer [9, 10, 2] of which the trainer sees all three
+    # as completion; loss mask [1, 1, 1]. The hidden state at position t predicts token t+1, so only
+    # positions 3, 4, 5 (predicting 9, 10, 2) may receive gradient from the loss; positions 0..2
+    # predict prompt tokens and position 6 predicts nothing.
+    model = tiny_lm()
+    s = TrainSample(prompt_ids=[1, 5, 6, 7], completion_ids=[9, 10, 2], loss_mask=[1, 1, 1])
+    (mb,) = make_micro_batches([s], token_budget=64)
+    captured = {}
+
+    def keep(_module, _inp, out):
+        out.retain_grad()
+        captured["h"] = out
+
+    hook = model.model.norm.register_forward_hook(keep)  # the final norm's output = last hidden states
+    logp, _ = sequence_logprobs(model, mb)
+    hook.remove()
+    out = sft_loss(LossInputs(logp=logp, mask=mb.mask, advantages=torch.zeros(1)))
+    out.loss.backward()
+    g = captured["h"].grad[0].abs().sum(-1)  # [T]
+    assert (g[[0, 1, 2, 6]] == 0).all()
+    assert (g[[3, 4, 5]] > 0).all()
+    # The loss is the mean NLL of exactly the three answer tokens.
+    full = torch.log_softmax(model(input_ids=mb.input_ids).logits[0].float(), -1)
+    expected = -(full[3, 9] + full[4, 10] + full[5, 2]) / 3
+    assert out.loss.item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_masked_answer_token_gets_no_gradient():
+    # A tool-observation token inside the completion (mask 0) must not be trained on either.
+    model = tiny_lm()
+    s = TrainSample(prompt_ids=[1, 5], completion_ids=[9, 11, 10], loss_mask=[1, 0, 1])
+    (mb,) = make_micro_batches([s], token_budget=64)
+    logp, _ = sequence_logprobs(model, mb)
+    logp.retain_grad()
+    sft_loss(LossInputs(logp=logp, mask=mb.mask, advantages=torch.zeros(1))).loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-0.5, 0.0, -0.5])
+
+
+def demo(split="train", source="eval:e1"):
+    return Demonstration(messages=[{"role": "user", "content": "weather in Paris?"}], tools=None,
+                         source_entity_id=source, split=split, answer_content="sunny")
+
+
+def test_heldout_demonstration_is_refused():
+    with pytest.raises(HeldOutDemonstrationError, match="eval:planted.*held-out"):
+        check_demonstrations([demo(), demo("heldout", "eval:planted")])
+    check_demonstrations([demo()])  # train split passes
+
+
+def test_heldout_ancestor_is_caught_through_lineage(store):
+    # A synthetic task labelled "train" but derived from a held-out eval: lineage catches it.
+    from flywheel.store import NewEvent
+
+    store.append("eval:h1", NewEvent("eval.created", {"entity_id": "eval:h1", "split": "heldout"}, ["failure:f1"]))
+    store.append("synth:s1", NewEvent("synth.batch_accepted", {"entity_id": "synth:s1"}, ["eval:h1"]))
+    store.append("eval:t1", NewEvent("eval.created", {"entity_id": "eval:t1", "split": "train"}, ["failure:f2"]))
+    check_demonstrations([demo(source="eval:t1")], store)
+    with pytest.raises(HeldOutDemonstrationError, match="synth:s1 descends from held-out eval eval:h1"):
+        check_demonstrations([demo(source="eval:t1"), demo(source="synth:s1")], store)
+
+
+def test_train_sft_refuses_heldout_before_loading_anything(cfg, store):
+    from flywheel.tracking import Tracker
+    from flywheel.train.stage import train_sft
+
+    with pytest.raises(HeldOutDemonstrationError):
+        train_sft(cfg, store, None, Tracker(cfg), [demo("heldout", "eval:planted")], base="/nonexistent")
+    assert store.read("run:*") == []
