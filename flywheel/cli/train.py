@@ -1,0 +1,123 @@
+"""``flywheel train``: GRPO on rollout datasets, SFT on demonstrations, or ``auto`` (SFT first when
+GRPO would learn nothing). Calls :mod:`flywheel.train.stage`; heavy imports stay inside the command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from flywheel.cli.common import (
+    CliError,
+    ConfigOpt,
+    HomeOpt,
+    JsonOpt,
+    console,
+    emit_json,
+    handle_errors,
+    load,
+    print_table,
+    progress,
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train)
+
+
+def _demonstrations(path: Path) -> list:
+    """JSON lines: {messages, tools?, source_entity_id, split, answer_calls?: [{name, arguments}], answer_content?}."""
+    from flywheel.train.sft import Demonstration
+    from flywheel.verifiers import ToolCall
+
+    demos = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            calls = [ToolCall(c["name"], c.get("arguments", {})) for c in d.get("answer_calls") or []] or None
+            demos.append(Demonstration(messages=d["messages"], tools=d.get("tools"), source_entity_id=d["source_entity_id"],
+                                       split=d.get("split", "train"), answer_calls=calls,
+                                       answer_content=d.get("answer_content")))
+        except (KeyError, ValueError, TypeError) as e:
+            raise CliError(f"{path}:{i + 1}: not a demonstration ({e})") from None
+    return demos
+
+
+@handle_errors
+def train(
+    rollouts: list[str] = typer.Option([], "--rollouts", help="Rollout dataset ids (rollouts:<id>); repeatable."),
+    mode: str = typer.Option(None, "--mode", help="sft | grpo | auto (default: config train.mode)."),
+    loss: str = typer.Option(None, "--loss", help="grpo | bnpo | dr_grpo | dapo | gspo | cispo."),
+    lora_r: int = typer.Option(None, "--lora-r", help="LoRA rank; 0 = full fine-tuning."),
+    steps: int = typer.Option(None, "--steps", help="Optimizer steps (GRPO) or SFT steps."),
+    base: str = typer.Option(None, "--base", help="Base: model spec, local dir or model:<name>/<N>."),
+    demos: Path = typer.Option(None, "--demos", help="Demonstrations (JSON lines) for SFT."),
+    deepspeed: str = typer.Option(None, "--deepspeed", help="DeepSpeed config, e.g. infra/deepspeed/zero2.json."),
+    logprob_impl: str = typer.Option("fused", "--logprob-impl", help="fused | naive log-prob path."),
+    home: str = HomeOpt,
+    config: str = ConfigOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Train the policy and register the result as the `challenger` model version."""
+    train_ov = {k: v for k, v in {"mode": mode, "loss": loss, "lora_r": lora_r, "deepspeed": deepspeed}.items() if v is not None}
+    cfg = load(home, config, {"train": train_ov} if train_ov else None)
+    from flywheel.artifacts import open_artifacts
+    from flywheel.store import open_store
+    from flywheel.tracking import Tracker
+    from flywheel.train import stage
+
+    chosen, why = cfg.train.mode, "requested"
+    with open_store(cfg) as store:
+        artifacts, tracker = open_artifacts(cfg), Tracker(cfg)
+        if chosen == "auto":
+            if not rollouts:
+                raise CliError("--mode auto needs --rollouts to measure the policy's zero-variance share")
+            import torch
+
+            from flywheel.train.advantages import zero_variance_share
+            from flywheel.train.data import load_rollout_tables
+
+            zv, passed, n = 0.0, 0, 0
+            for _, t, _ in load_rollout_tables(store, artifacts, rollouts):
+                d = t.to_pydict()
+                ok = [e is None for e in d.get("infra_error", [None] * t.num_rows)]
+                r = torch.tensor([x for x, k in zip(d["reward"], ok, strict=True) if k])
+                g = [x for x, k in zip(d["group_id"], ok, strict=True) if k]
+                zv += zero_variance_share(r, g) * len(set(g))
+                n += len(set(g))
+                passed += sum(p for p, k in zip(d["passed"], ok, strict=True) if k)
+            chosen, why = stage.choose_mode(zv / max(n, 1), float(passed > 0), threshold=cfg.train.sft_trigger_zero_variance)
+        if not as_json:
+            console.print(f"[bold]mode[/] {chosen}: {why}")
+        total = (cfg.train.sft_steps if chosen == "sft" else cfg.train.steps) if steps is None else steps
+        with progress(enabled=not as_json) as bar:
+            task = bar.add_task(f"train {chosen}", total=total, rate="")
+
+            def on_step(step: int, m: dict) -> None:
+                bar.update(task, completed=step, rate=f"loss {m['loss']:.4f}  {m['tokens_per_s']:.0f} tok/s")
+
+            if chosen == "sft":
+                if demos is None:
+                    raise CliError("SFT needs demonstrations: pass --demos FILE.jsonl (built from the train split)")
+                res = stage.train_sft(cfg, store, artifacts, tracker, _demonstrations(demos), base=base, steps=steps,
+                                      on_step=on_step, logprob_impl=logprob_impl)
+            else:
+                if not rollouts:
+                    raise CliError("GRPO needs --rollouts ID (see `flywheel events --type rollouts.published`)")
+                res = stage.train_grpo(cfg, store, artifacts, tracker, rollouts, base=base, steps=steps,
+                                       on_step=on_step, logprob_impl=logprob_impl)
+    info = {**res.to_dict(), "why": why}
+    if as_json:
+        emit_json(info)
+        return
+    m = res.metrics
+    print_table("training summary", ["what", "value"], [
+        ("run", res.run_id), ("mlflow run", res.mlflow_run_id), ("model", f"{res.model_entity} (alias challenger)"),
+        ("mode", f"{res.mode} ({why})"), ("adapter", res.adapter), ("steps", res.steps),
+        ("loss first -> last", f"{m.get('first_loss', float('nan')):.4f} -> {m.get('loss', float('nan')):.4f}"),
+        ("reward mean", f"{m['reward_mean']:.3f}" if "reward_mean" in m else "-"),
+        ("grad norm", f"{m.get('grad_norm', float('nan')):.3f}"), ("tokens/s", f"{m.get('tokens_per_s', 0):.0f}"),
+    ])
