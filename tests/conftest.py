@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -10,6 +11,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Prefect: quiet, and patient with the temporary server on a loaded 2-core machine.
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+# Prefect's own home (the temporary server's database) stays out of ~/.prefect during tests.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="flywheel-test-prefect-"))
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def _cuda_available() -> bool:

@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "flywheel.cli.evals",
     "flywheel.cli.rollout",
     "flywheel.cli.gate",
+    "flywheel.cli.cycle",
 ]
 
 for _name in COMMAND_MODULES:

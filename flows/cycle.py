@@ -1,0 +1,410 @@
+"""``flywheel_cycle``: one turn of the flywheel as a Prefect flow.
+
+    ingest -> evals -> envs -> synth -> rollouts -> train (SFT warm start when needed, then GRPO)
+    -> gate -> deploy
+
+Each stage is a Prefect task that calls the library's stage function (the library knows nothing of
+Prefect). Entrypoint for deployments: ``flows/cycle.py:flywheel_cycle``.
+
+- Retries: only for infrastructure errors (:func:`flywheel.cycle.is_infra_error`: a server that is
+  down, a connection reset, a held lock), never for a refused gate, invalid data or a bug.
+- Caching: every task's cache key is a hash of the entity versions it consumes
+  (:func:`flywheel.cycle.inputs_key`) and results are persisted (under ``<home>/prefect`` in the
+  embedded default), so a re-run after a crash skips the stages that finished. The stages are also
+  idempotent in the event store (deterministic event ids, published-once rollouts), so even a stage
+  that runs again appends no duplicate events or artifacts.
+- Correlation: ``cycle.started`` / ``cycle.completed`` on stream ``cycle:<flow run id>``; every event
+  of the cycle carries the flow run id as its correlation id.
+- Early exit: a cycle with no new failures since the last completed cycle, or no learning signal,
+  ends early and says why in ``cycle.completed``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flywheel.flows.cycle_env import prefect_environment  # noqa: F401 - re-exported
+from prefect import flow, task
+
+from flywheel.cycle import (
+    CycleResources,
+    demonstrations_from_tasks,
+    failure_watermark,
+    inputs_key,
+    is_infra_error,
+    latest_version,
+    new_failures_since_last_cycle,
+    summarize,
+)
+from flywheel.store import NewEvent
+
+# The resources of the running cycle (one writer connection per process): set by the flow, read by
+# its tasks. Tasks get only plain values as parameters so Prefect can record and hash them.
+_R: CycleResources | None = None
+# Optional progress callback ``(stage, info)`` for the CLI and the demo.
+reporter: Callable[[str, dict[str, Any]], None] | None = None
+
+
+def _report(stage: str, **info: Any) -> None:
+    if reporter is not None:
+        reporter(stage, info)
+
+
+def _retry_on_infra(task_: Any, task_run: Any, state: Any) -> bool:
+    try:
+        exc = state.result(raise_on_failure=False)
+    except BaseException as e:  # noqa: BLE001 - whatever the state holds is what we classify
+        exc = e
+    return is_infra_error(exc if isinstance(exc, BaseException) else None)
+
+
+def _cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    return parameters["key"]
+
+
+STAGE = dict(
+    retries=2,
+    retry_delay_seconds=[2, 10],
+    retry_condition_fn=_retry_on_infra,
+    cache_key_fn=_cache_key,
+    persist_result=True,
+)
+
+
+def _res() -> CycleResources:
+    if _R is None:
+        raise RuntimeError("cycle resources are not open: call the stages from flywheel_cycle")
+    return _R
+
+
+# --------------------------------------------------------------------------------------------- tasks
+
+
+@task(name="ingest", **STAGE)
+def ingest_stage(key: str, paths: list[str], correlation_id: str) -> dict:
+    from flywheel.ingest import ingest_paths
+
+    r = _res()
+    _report("ingest", status="running", files=len(paths))
+    s = ingest_paths(r.cfg, r.store, r.artifacts, [Path(p) for p in paths], correlation_id=correlation_id)
+    return summarize(s)
+
+
+@task(name="evals", **STAGE)
+def evals_stage(key: str, correlation_id: str) -> dict:
+    from flywheel.evals import build_evals
+
+    r = _res()
+    return summarize(build_evals(r.cfg, r.store, r.artifacts, correlation_id=correlation_id))
+
+
+@task(name="envs", **STAGE)
+def envs_stage(key: str, correlation_id: str) -> dict:
+    from flywheel.envs import build_envs
+
+    r = _res()
+    return summarize(build_envs(r.cfg, r.store, r.artifacts, correlation_id=correlation_id))
+
+
+@task(name="synth", **STAGE)
+def synth_stage(key: str, correlation_id: str) -> dict:
+    from flywheel.synth import run_synth
+
+    r = _res()
+    return summarize(run_synth(r.cfg, r.store, r.artifacts, env=r.cfg.cycle.train_env, correlation_id=correlation_id))
+
+
+@task(name="rollouts", **STAGE)
+def rollout_stage(key: str, policy: str, correlation_id: str) -> dict:
+    from flywheel.rollouts import run_rollouts
+
+    r = _res()
+    t0 = time.perf_counter()
+
+    def progress(p: dict) -> None:
+        _report("rollouts", status="running", policy=policy, **p)
+
+    s = run_rollouts(r.cfg, r.store, r.artifacts, r.tracker, policy=policy, correlation_id=correlation_id,
+                     progress=progress)
+    out = summarize(s)
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+@task(name="train-sft", **STAGE)
+def sft_stage(key: str, base: str, correlation_id: str) -> dict:
+    from flywheel.envs import load_env
+    from flywheel.evals import load_suite
+    from flywheel.train.stage import train_sft
+
+    r = _res()
+    env = load_env(r.store, r.artifacts, r.cfg.cycle.train_env)
+    try:
+        regression = load_suite(r.store, r.artifacts, r.cfg.cycle.regression_suite).tasks
+    except LookupError:
+        regression = []
+    demos = demonstrations_from_tasks(env.tasks, regression)
+    if not demos:
+        return {"skipped": "no demonstrations: no train task has a reference answer"}
+
+    def on_step(step: int, m: dict) -> None:
+        _report("train-sft", status="running", step=step, total=r.cfg.train.sft_steps, loss=m.get("loss"))
+
+    res = train_sft(r.cfg, r.store, r.artifacts, r.tracker, demos, base=base, on_step=on_step)
+    out = summarize(res)
+    out["demonstrations"] = len(demos)
+    out["history"] = [{"step": h.get("step"), "loss": h.get("loss")} for h in res.history]
+    return out
+
+
+@task(name="train-grpo", **STAGE)
+def grpo_stage(key: str, rollout_ids: list[str], base: str, correlation_id: str) -> dict:
+    from flywheel.train.stage import train_grpo
+
+    r = _res()
+
+    def on_step(step: int, m: dict) -> None:
+        _report("train-grpo", status="running", step=step, total=r.cfg.train.steps, loss=m.get("loss"),
+                reward=m.get("reward_mean"))
+
+    res = train_grpo(r.cfg, r.store, r.artifacts, r.tracker, rollout_ids, base=base, on_step=on_step)
+    out = summarize(res)
+    out["history"] = [{k: h.get(k) for k in ("step", "loss", "reward_mean", "kl", "clip_frac", "grad_norm")}
+                      for h in res.history]
+    return out
+
+
+@task(name="gate", **STAGE)
+def gate_stage(key: str, model_version: int, correlation_id: str) -> dict:
+    from flywheel.gate import run_gate
+
+    r = _res()
+    _report("gate", status="running", model_version=model_version)
+    d = run_gate(r.cfg, r.store, r.artifacts, r.tracker, model_version, correlation_id=correlation_id)
+    return summarize(d)
+
+
+@task(name="deploy", **STAGE)
+def deploy_stage(key: str, model_version: int, gate_id: str, correlation_id: str) -> dict:
+    from flywheel.deploy import promote
+
+    r = _res()
+    dep = promote(r.cfg, r.store, r.tracker, model_version, correlation_id=correlation_id)
+    return summarize(dep)
+
+
+# ---------------------------------------------------------------------------------------------- flow
+
+
+def _inbox_paths(cfg: Any) -> list[str]:
+    inbox = Path(cfg.home) / "inbox"
+    if not inbox.is_dir():
+        return []
+    return sorted(str(p) for p in inbox.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def _files_key(paths: list[str]) -> list[list[Any]]:
+    out = []
+    for p in paths:
+        st = Path(p).stat()
+        out.append([str(Path(p).resolve()), st.st_size, int(st.st_mtime)])
+    return out
+
+
+def _flow_run_id() -> str:
+    try:
+        from prefect.runtime import flow_run
+
+        fid = flow_run.get_id()
+        if fid:
+            return str(fid)
+    except Exception:  # noqa: BLE001 - outside a flow run (direct call in tests)
+        pass
+    return uuid.uuid4().hex
+
+
+@flow(name="flywheel-cycle", log_prints=False, persist_result=True)
+def flywheel_cycle(
+    traces: list[str] | None = None,
+    config_path: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Run one flywheel cycle. ``traces``: files to ingest (default: everything in ``<home>/inbox``).
+    ``force``: run the learning stages even when no new failure arrived since the last cycle."""
+    global _R
+    from flywheel.config import load_config
+
+    cfg = load_config(config_path, overrides)
+
+    def K(stage: str, **inputs: Any) -> str:  # cache keys are per home: two homes never share a result
+        return inputs_key(stage, home=str(cfg.home), **inputs)
+
+    run_id = _flow_run_id()
+    cycle_id = f"cycle:{run_id}"
+    corr = run_id
+    t_start = time.perf_counter()
+    _R = CycleResources.open(cfg)
+    store = _R.store
+    stages: dict[str, Any] = {}
+    outputs: list[str] = []
+    result: dict[str, Any] = {"cycle": cycle_id, "stages": stages}
+
+    def finish(outcome: str, reason: str) -> dict[str, Any]:
+        result.update(outcome=outcome, reason=reason, wall_s=round(time.perf_counter() - t_start, 1))
+        store.append(cycle_id, NewEvent("cycle.completed", {
+            "entity_id": cycle_id, "outcome": outcome, "reason": reason, "stages": stages,
+            "wall_s": result["wall_s"],
+        }, list(dict.fromkeys(outputs))), correlation_id=corr)
+        _report("cycle", status="done", outcome=outcome, reason=reason)
+        return result
+
+    try:
+        paths = list(traces) if traces else _inbox_paths(cfg)
+        store.append(cycle_id, NewEvent("cycle.started", {
+            "entity_id": cycle_id, "traces": paths, "force": force, "model": cfg.cycle.model_name,
+        }), expected_version=0, correlation_id=corr)
+
+        # 1. ingest
+        if paths:
+            _report("ingest", status="running", files=len(paths))
+            stages["ingest"] = ingest_stage(K("ingest", files=_files_key(paths)), paths, corr)
+            _report("ingest", status="done", **{k: stages["ingest"].get(k) for k in ("read", "ingested", "quarantined")})
+        new_failures, last_cycle = new_failures_since_last_cycle(store)
+        stages["new_failures"] = new_failures
+        if new_failures == 0 and not force:
+            return finish("nothing_new", "no new failures since the last cycle"
+                          + (f" (seq {last_cycle})" if last_cycle else "") + ": nothing new to learn")
+
+        # 2. evals and environments
+        _report("evals", status="running")
+        stages["evals"] = evals_stage(K("evals", watermark=failure_watermark(store),
+                                                 evals=cfg.evals.model_dump()), corr)
+        _report("envs", status="running")
+        suites = {n: latest_version(store, "suite", n) for n in ("train", cfg.cycle.heldout_suite, cfg.cycle.regression_suite)}
+        stages["envs"] = envs_stage(K("envs", suites=suites), corr)
+        env_id = latest_version(store, "env", cfg.cycle.train_env)
+        heldout = latest_version(store, "suite", cfg.cycle.heldout_suite)
+        if env_id is None:
+            return finish("no_signal", "no training environment: every failure went to the held-out split "
+                                       "or none could be compiled (see the evals stage)")
+        if heldout is None:
+            return finish("no_signal", "no held-out suite: nothing to gate a challenger on")
+        outputs += [env_id, heldout]
+
+        # 3. synthetic widening
+        if cfg.synth.per_seed > 0 and cfg.synth.generators:
+            _report("synth", status="running")
+            stages["synth"] = synth_stage(K("synth", env=env_id, heldout=heldout,
+                                                     synth=cfg.synth.model_dump()), corr)
+            env_id = latest_version(store, "env", cfg.cycle.train_env)
+            outputs.append(env_id)
+
+        # 4. rollouts from the champion
+        tracker = _R.tracker
+        name = cfg.cycle.model_name
+        champion = tracker.get_alias_version(name, "champion")
+        champion_ref = f"model:{name}/{champion}" if champion is not None else f"base:{cfg.policy.base_model}"
+        _report("rollouts", status="running", policy=champion_ref)
+        roll = rollout_stage(K("rollouts", env=env_id, policy=champion_ref, rollout=cfg.rollout.model_dump()),
+                             champion_ref if champion is not None else cfg.policy.base_model, corr)
+        stages["rollouts"] = roll
+        if roll.get("published"):
+            outputs.append(roll["rollout_id"])
+        base = champion_ref if champion is not None else cfg.policy.base_model
+
+        # 5. training: SFT warm start when GRPO would learn nothing, then GRPO
+        from flywheel.train.stage import choose_mode
+
+        st = roll.get("stats") or {}
+        mode = cfg.train.mode
+        why = f"train.mode = {mode}"
+        if mode == "auto":
+            mode, why = choose_mode(st.get("zero_variance_share", 1.0), st.get("pass_at_k", 0.0),
+                                    threshold=cfg.train.sft_trigger_zero_variance)
+        stages["train_mode"] = {"mode": mode, "why": why}
+        challenger: int | None = None
+        if mode == "sft":
+            _report("train-sft", status="running", why=why)
+            sft = sft_stage(K("sft", env=env_id, base=base, train=cfg.train.model_dump()), base, corr)
+            stages["sft"] = sft
+            if "skipped" in sft:
+                return finish("no_signal", f"SFT was needed ({why}) but {sft['skipped']}")
+            challenger = sft["model_version"]
+            outputs.append(sft["model_entity"])
+            if cfg.train.steps > 0:
+                # GRPO on top of the SFT model, from its own rollouts.
+                sft_ref = sft["model_entity"]
+                roll2 = rollout_stage(K("rollouts", env=env_id, policy=sft_ref,
+                                                 rollout=cfg.rollout.model_dump()), sft_ref, corr)
+                stages["rollouts_after_sft"] = roll2
+                st2 = roll2.get("stats") or {}
+                if roll2.get("published") and st2.get("zero_variance_share", 1.0) < 1.0:
+                    outputs.append(roll2["rollout_id"])
+                    grpo = grpo_stage(K("grpo", rollouts=[roll2["rollout_id"]], base=sft_ref,
+                                                 train=cfg.train.model_dump()), [roll2["rollout_id"]], sft_ref, corr)
+                    stages["grpo"] = grpo
+                    challenger = grpo["model_version"]
+                    outputs.append(grpo["model_entity"])
+                else:
+                    stages["grpo"] = {"skipped": "every group of the SFT model's rollouts has zero reward variance: "
+                                                 "no GRPO signal; gating the SFT model"}
+        else:
+            if not roll.get("published"):
+                return finish("no_signal", f"no rollout dataset was published: {roll.get('reason')}")
+            grpo = grpo_stage(K("grpo", rollouts=[roll["rollout_id"]], base=base,
+                                         train=cfg.train.model_dump()), [roll["rollout_id"]], base, corr)
+            stages["grpo"] = grpo
+            challenger = grpo["model_version"]
+            outputs.append(grpo["model_entity"])
+
+        # 6. gate and deploy
+        gate = gate_stage(K("gate", model=f"model:{name}/{challenger}", suite=heldout,
+                                     gate=cfg.gate.model_dump()), challenger, corr)
+        stages["gate"] = gate
+        outputs.append(gate["gate_id"])
+        if gate["passed"]:
+            dep = deploy_stage(K("deploy", model=challenger, gate=gate["gate_id"]), challenger,
+                               gate["gate_id"], corr)
+            stages["deploy"] = dep
+            return finish("promoted", f"model:{name}/{challenger} passed the gate and is the new champion")
+        return finish("refused", f"model:{name}/{challenger} was refused by the gate: " + "; ".join(gate["reasons"]))
+    except BaseException as e:
+        _report("cycle", status="failed", error=f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        _R.close()
+        _R = None
+
+
+def run_cycle(
+    cfg: Any,
+    *,
+    traces: list[str] | None = None,
+    config_path: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    force: bool = False,
+    on_progress: Callable[[str, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run :func:`flywheel_cycle` now (ephemeral Prefect, or the server in ``PREFECT_API_URL``)."""
+    global reporter
+    from prefect.settings import (
+        PREFECT_LOCAL_STORAGE_PATH,
+        PREFECT_RESULTS_PERSIST_BY_DEFAULT,
+        temporary_settings,
+    )
+
+    storage = Path(cfg.home) / "prefect" / "storage"
+    storage.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ov = dict(overrides or {})
+    ov.setdefault("home", str(cfg.home))
+    reporter = on_progress
+    try:
+        with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: storage, PREFECT_RESULTS_PERSIST_BY_DEFAULT: True}):
+            return flywheel_cycle(traces=traces, config_path=config_path, overrides=ov, force=force)
+    finally:
+        reporter = None

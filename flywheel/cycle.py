@@ -1,0 +1,158 @@
+"""Plain-Python pieces of the flywheel cycle that the Prefect flow (``flows/cycle.py``) strings together.
+
+The flow owns orchestration (order, retries, caching, schedules); this module owns the decisions
+that must be testable without Prefect:
+
+- :func:`inputs_key`: the cache key of a stage, a hash of the *entity versions* it consumes, so a
+  re-run after a crash skips stages whose inputs did not change;
+- :func:`new_failures_since_last_cycle`: the "nothing new to learn" early exit;
+- :func:`demonstrations_from_tasks`: SFT demonstrations from the training environment (train-split
+  corrections, accepted synthetic references) and regression evals (successful traces); held-out
+  tasks never become demonstrations;
+- :class:`CycleResources`: the store, artifact store and tracker one cycle shares between stages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from flywheel.store import canonical_json
+
+
+class InfraError(RuntimeError):
+    """An infrastructure failure a retry may fix (server down, connection reset, lock held)."""
+
+
+def is_infra_error(exc: BaseException | None) -> bool:
+    """Retry only what infrastructure causes; never a refused gate, invalid data or a bug."""
+    if exc is None:
+        return False
+    from flywheel.store import StoreLockedError
+
+    if isinstance(exc, InfraError | StoreLockedError | ConnectionError | TimeoutError):
+        return True
+    try:
+        from flywheel.policy.base import PolicyRequestError
+
+        if isinstance(exc, PolicyRequestError):
+            status = getattr(exc, "status", None)
+            return status is None or status == 429 or status >= 500
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import httpx
+
+        if isinstance(exc, httpx.TransportError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return False
+
+
+def inputs_key(stage: str, **inputs: Any) -> str:
+    """``<stage>-<hash of the canonical inputs>``: the Prefect cache key of one stage run."""
+    body = canonical_json({"stage": stage, "inputs": inputs})
+    return f"{stage}-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
+
+
+def latest_version(store: Any, kind: str, name: str) -> str | None:
+    """Entity id of the latest ``suite:<name>@N`` / ``env:<name>@N``, or None."""
+    rows = store.con.execute(
+        "SELECT entity_id FROM entities WHERE kind = ? AND starts_with(entity_id, ?) ORDER BY last_seq DESC LIMIT 1",
+        [kind, f"{kind}:{name}@"],
+    ).fetchall()
+    return rows[0][0] if rows else None
+
+
+def failure_watermark(store: Any) -> dict[str, int]:
+    """What the evals stage reads: the count and last seq of failure and trace events."""
+    rows = store.con.execute(
+        "SELECT count(*), coalesce(max(seq), 0) FROM events WHERE type IN ('failure.classified', 'trace.ingested')"
+    ).fetchall()
+    return {"events": rows[0][0], "last_seq": rows[0][1]}
+
+
+def last_completed_cycle(store: Any) -> dict[str, Any] | None:
+    evs = store.read(types=["cycle.completed"], limit=1, newest_first=True)
+    if not evs:
+        return None
+    e = evs[0]
+    return {"seq": e.seq, "stream": e.stream, "payload": e.payload}
+
+
+def new_failures_since_last_cycle(store: Any) -> tuple[int, int | None]:
+    """(number of ``failure.classified`` events after the last completed cycle, that cycle's seq)."""
+    last = last_completed_cycle(store)
+    after = last["seq"] if last else 0
+    n = store.con.execute(
+        "SELECT count(*) FROM events WHERE type = 'failure.classified' AND seq > ?", [after]
+    ).fetchall()[0][0]
+    return n, (last["seq"] if last else None)
+
+
+def demonstrations_from_tasks(train_tasks: list[dict], regression_tasks: list[dict] | None = None) -> list[Any]:
+    """SFT demonstrations: the reference answer of every train-split task (corrections of train
+    failures, references of accepted synthetic tasks) and of every regression task (the recorded
+    answers of successful production traces). Tasks whose split is ``heldout`` are skipped here and
+    would be refused by :func:`flywheel.train.sft.check_demonstrations` anyway."""
+    from flywheel.train.sft import Demonstration
+    from flywheel.verifiers import ToolCall
+
+    demos = []
+    for t in list(train_tasks) + list(regression_tasks or []):
+        meta = t.get("metadata") or {}
+        split = meta.get("split", "train")
+        if split == "heldout":
+            continue
+        ref = t.get("reference")
+        if not ref:
+            continue
+        calls = ref.get("tool_calls")
+        kw: dict[str, Any] = {}
+        if calls:
+            kw["answer_calls"] = [ToolCall(c["name"], c.get("arguments") or {}) for c in calls]
+        elif ref.get("content") is not None:
+            kw["answer_content"] = ref["content"]
+        else:
+            continue
+        demos.append(Demonstration(
+            messages=t["prompt"]["messages"], tools=t["prompt"].get("tools") or None,
+            source_entity_id=t["task_id"], split="train" if split == "regression" else split, **kw,
+        ))
+    return demos
+
+
+@dataclass
+class CycleResources:
+    """What one cycle's stages share: one writer connection to the warehouse (DuckDB allows one
+    read-write process), the artifact store and the MLflow tracker."""
+
+    cfg: Any
+    store: Any
+    artifacts: Any
+    tracker: Any
+
+    @classmethod
+    def open(cls, cfg: Any) -> CycleResources:
+        from flywheel.artifacts import open_artifacts
+        from flywheel.store import open_store
+        from flywheel.tracking import Tracker
+
+        artifacts = open_artifacts(cfg)
+        artifacts.sweep_temp()  # a crashed earlier run may have left temp files, never artifacts
+        return cls(cfg, open_store(cfg), artifacts, Tracker(cfg))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def summarize(value: Any) -> Any:
+    """A JSON-safe view of a stage summary (dataclasses with ``to_dict``/``to_json``)."""
+    for attr in ("to_dict", "to_json"):
+        fn = getattr(value, attr, None)
+        if callable(fn):
+            return json.loads(json.dumps(fn(), default=str))
+    return json.loads(json.dumps(value, default=str))
