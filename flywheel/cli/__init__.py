@@ -22,8 +22,10 @@ COMMAND_MODULES = [
     "flywheel.cli.ingest",
     "flywheel.cli.evals",
     "flywheel.cli.rollout",
+    "flywheel.cli.train",
     "flywheel.cli.gate",
     "flywheel.cli.cycle",
+    "flywheel.cli.serve",
 ]
 
 for _name in COMMAND_MODULES:
