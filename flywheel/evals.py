@@ -647,6 +647,7 @@ class EvalsSummary:
     excluded_from_gate: int = 0
     events_appended: int = 0
     empty_suites: list[str] = field(default_factory=list)
+    created_by_failure_kind: dict[str, int] = field(default_factory=dict)
 
     @property
     def n_created(self) -> int:
@@ -655,6 +656,7 @@ class EvalsSummary:
     def to_dict(self) -> dict[str, Any]:
         return {
             "created": dict(self.created),
+            "created_by_failure_kind": dict(self.created_by_failure_kind),
             "updated": dict(self.updated),
             "unchanged": self.unchanged,
             "splits": dict(self.splits),
@@ -755,9 +757,11 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
         if old is not None and canonical_json(old) == canonical_json(payload):
             summary.unchanged += 1
         else:
-            (summary.updated if old is not None else summary.created)[vk] = (
-                (summary.updated if old is not None else summary.created).get(vk, 0) + 1
-            )
+            bucket = summary.updated if old is not None else summary.created
+            bucket[vk] = bucket.get(vk, 0) + 1
+            if old is None:
+                for k in kinds or ["success"]:
+                    summary.created_by_failure_kind[k] = summary.created_by_failure_kind.get(k, 0) + 1
             new_events.append((tid, payload, [origin], store.stream_version(tid) if old is not None else 0))
         existing[tid] = payload
 

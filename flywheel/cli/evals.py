@@ -51,6 +51,8 @@ def evals_build(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = Js
         ["verifier", "created", "updated"],
         [(k, data["created"].get(k, 0), data["updated"].get(k, 0)) for k in kinds],
     )
+    if data["created_by_failure_kind"]:
+        print_table("created by failure kind", ["kind", "evals"], sorted(data["created_by_failure_kind"].items()))
     print_table("splits", ["split", "evals"], sorted(data["splits"].items()))
     print_table("suites", ["suite", "members", "new version"],
                 [(x["suite"], x["members"], "yes" if x["new_version"] else "no") for x in data["suites"]])

@@ -126,9 +126,9 @@ def test_regression_evals_from_successes_deduplicated_in_their_own_suite(cfg, st
 
 
 def test_llm_judge_evals_stay_out_of_the_gate_suite_unless_configured(cfg, store, arts):
-    fb = [failure_payload([{"role": "user", "content": f"Cancel booking number {i} for me please"}], [],
+    fb = [failure_payload([{"role": "user", "content": ASKS[c].replace("is", "tell me honestly if")}], [],
                           {"role": "assistant", "content": "Done!"}, ["negative_feedback"],
-                          feedback={"score": -1, "comment": "it cannot cancel"}) for i in range(12)]
+                          feedback={"score": -1, "comment": "made up an answer"}) for c in CITIES]
     append_failures(store, fb)
     s = build_evals(cfg, store, arts)
     states = [e["state"] for e in store.entities("eval")]
