@@ -24,6 +24,10 @@ def serve(
         None, "--api-key", help="Require 'Authorization: Bearer KEY' (default: $FLYWHEEL_API_KEY). "
         "Mandatory when binding to anything but loopback.", show_default=False,
     ),
+    champion: bool = typer.Option(
+        False, "--champion", help="Serve the MLflow alias 'champion' of cycle.model_name and follow it: a "
+        "promotion or rollback is picked up without a restart (polled every serve.poll_alias_s, or on SIGHUP).",
+    ),
     home: str = HomeOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
@@ -38,6 +42,17 @@ def serve(
     from flywheel.serve import serve as run_server
 
     cfg = load(home, config)
+    provider = None
+    if champion:
+        if model:
+            raise CliError("--champion and --model are exclusive: --champion serves the registered champion")
+        from flywheel.deploy import DeployError, champion_provider
+
+        try:
+            provider = champion_provider(cfg)
+        except DeployError as e:
+            raise CliError(str(e), code=2) from None
+        model = f"model:{provider.name}/{provider.version} (champion, followed)"
 
     def ready(h: str, p: int) -> None:
         url = f"http://{h}:{p}"
@@ -47,9 +62,13 @@ def serve(
             console.print(f"serving [bold]{model or cfg.policy.base_model}[/] at {url}/v1")
 
     try:
-        run_server(cfg, model=model, host=host, port=port, api_key=api_key, on_ready=ready)
+        run_server(cfg, model=None if provider else model, host=host, port=port, api_key=api_key, on_ready=ready,
+                   provider=provider)
     except (ServeError, ModelLoadError) as e:
         raise CliError(str(e), code=2) from None
     except OSError as e:  # address in use, permission denied on a low port
         raise CliError(f"cannot bind {host or cfg.serve.host}:{port if port is not None else cfg.serve.port}: {e}",
                        code=2) from None
+    finally:
+        if provider is not None:
+            provider.stop()
