@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "flywheel.cli.gate",
     "flywheel.cli.cycle",
     "flywheel.cli.serve",
+    "flywheel.cli.demo",
 ]
 
 for _name in COMMAND_MODULES:

@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
     app.command("schedule")(schedule)
     app.command("trace")(trace)
     app.command("impact")(impact)
+    app.command("report")(report)
 
 
 def _prefect_env(cfg) -> None:
@@ -249,3 +250,30 @@ def impact(
     rows = [(k, len(data[k]), ", ".join(data[k][:6]) + (" …" if len(data[k]) > 6 else ""))
             for k in sorted(data, key=lambda k: order.index(k) if k in order else 99)]
     print_table(f"impact of {root}", ["kind", "count", "entities"], rows)
+
+
+@handle_errors
+def report(
+    cycle_id: str = typer.Option(None, "--cycle", help="Cycle id (default: the last completed cycle)."),
+    open_: bool = typer.Option(False, "--open", help="Print a file:// URL to open in a browser."),
+    home: str = HomeOpt,
+    config: str = ConfigOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Write one self-contained HTML page for a cycle: failures, training, pass rates with CIs, gate, lineage."""
+    from flywheel.report import ReportError, build_report
+    from flywheel.store import open_store
+    from flywheel.tracking import Tracker
+
+    cfg = load(home, config)
+    with open_store(cfg) as store:
+        try:
+            res = build_report(cfg, store, Tracker(cfg), cycle=cycle_id)
+        except ReportError as e:
+            raise CliError(str(e)) from None
+    if as_json:
+        emit_json(res)
+        return
+    out.print(f"report of {res['cycle']} ({res['outcome']}): {res['path']}")
+    if open_:
+        out.print(Path(res["path"]).absolute().as_uri())

@@ -1,0 +1,5 @@
+"""``python -m flywheel`` = the ``flywheel`` command."""
+
+from flywheel.cli import main
+
+main()
