@@ -44,7 +44,8 @@ Verification
 made during the episode, not assistant turns inside the prompt) and one harness-level rule recorded
 in ``tool_env``: ``replay: true`` executes the final answer's calls against the sandboxed
 implementation and fails the episode if one raises (``runtime_exception`` evals; a sandbox that
-cannot start is an ``infra_error``, never a failure). Verification runs in a thread pool
+cannot start is an ``infra_error``, never a failure; so is an episode in which a sandboxed tool
+call could not run). Verification runs in a thread pool
 (``context["verify_workers"]``, default 4): sandboxed verifiers spend their time in subprocesses.
 
 ``Episode.finish_reason``: ``"stop"`` (final answer), ``"length"`` (a model turn hit
@@ -348,6 +349,10 @@ def run_episodes(tasks: list[dict], policy: Any, params: Any, *, context: Any = 
     def score(st: _State) -> tuple[Any, float]:
         t0 = time.perf_counter()
         v = verify_task(st.task, st.history, context)
+        env_errors = [o["infra_error"] for o in st.observations if o.get("infra_error")]
+        if env_errors and v.infra_error is None:
+            # The model saw a broken environment, not the task: its reward means nothing.
+            v = dataclasses.replace(v, infra_error=f"tool environment: {env_errors[0]}", passed=False, reward=0.0)
         return v, (time.perf_counter() - t0) * 1000.0
 
     if workers > 1 and len(flat) > 1:

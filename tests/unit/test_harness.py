@@ -280,3 +280,17 @@ def test_tiny_hf_model_single_turn_episodes(tiny_home):
             assert len(ep.logprobs) == n == len(ep.loss_mask) and 1 <= n
             assert all(lp <= 0.0 and math.isfinite(lp) for lp in ep.logprobs[:5])
             assert ep.verdict.infra_error is None and not ep.passed  # a random model does not call tools
+
+
+def test_a_tool_sandbox_that_cannot_start_makes_the_episode_an_infra_error(monkeypatch):
+    import flywheel.sandbox as sandbox
+    from flywheel.sandbox import SandboxResult
+
+    def broken(*a, **k):
+        return SandboxResult(False, 0, 0, {}, "", "", 0.0, "netns", infra_error="unshare: permission denied")
+
+    monkeypatch.setattr(sandbox, "run_python_tests", broken)
+    pol = ScriptedPolicy(lambda p, j: "ok" if "tool output" in p else "[get_weather(city='Oslo')]")
+    (ep,), = run_episodes([loop_task(recorded=False, python=WEATHER_CODE)], pol, SamplingParams(n=1, max_new_tokens=64))
+    assert ep.observations[0]["infra_error"] == "unshare: permission denied"
+    assert ep.verdict.infra_error and "tool environment" in ep.verdict.infra_error and not ep.verdict.ok_for_training
