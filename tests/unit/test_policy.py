@@ -292,3 +292,22 @@ def test_unknown_specs_are_rejected_clearly(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="no config.json"):
         ensure_base_model(str(tmp_path / "empty"), tmp_path)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_is_converted_once_to_loadable_safetensors(tmp_path):
+    """~20 s: the real GGUF -> dequantized -> safetensors path (a plain GGUF load cannot be saved)."""
+    import json as _json
+
+    from flywheel.policy.models import SMOLLM2, ensure_base_model, load_model
+
+    path = ensure_base_model(SMOLLM2, tmp_path)
+    assert (path / "model.safetensors").exists() and (path / "flywheel-model.json").exists()
+    assert "quantization_config" not in _json.loads((path / "config.json").read_text())
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # no temp dirs left
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_base_model(SMOLLM2, tmp_path) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime  # reused, not rebuilt
+    model, tok = load_model(SMOLLM2, home=tmp_path)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
