@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "flywheel.cli.core",
     "flywheel.cli.ingest",
     "flywheel.cli.evals",
+    "flywheel.cli.synth",
     "flywheel.cli.rollout",
     "flywheel.cli.train",
     "flywheel.cli.gate",
