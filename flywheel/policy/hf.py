@@ -328,7 +328,6 @@ class HFPolicy:
         done_ms = [0.0] * rows
         active = list(range(rows))  # original row ids of the live batch rows, in batch order
         eos = torch.tensor(sorted(self._eos_ids), dtype=torch.long, device=dev)
-        step = 0
         while True:
             u = torch.tensor([torch.rand(1, generator=gens[r]).item() for r in active], dtype=torch.float32)
             chosen, chosen_lp = _sample(logits, p, u.to(logits.device))
@@ -364,7 +363,6 @@ class HFPolicy:
             )
             cache = out.cache
             logits = out.logits[:, -1, :].float()
-            step += 1
         samples: list[list[Sample]] = []
         for j, ids in enumerate(prompts):
             group = []
