@@ -18,7 +18,10 @@ training step) and a no-grad forward (old / reference log-probs):
   FLOPs (3 x 2NVH for forward + backward; the fused path executes a 4th, its recompute, which is not
   credited).
 
-Time is the best of ``--reps`` runs (the CPU is shared; the best run is the least disturbed).
+Time is the best of ``--reps`` runs (the CPU is shared; the best run is the least disturbed). On CPU the
+process CPU time (all threads) is printed too: on a machine shared with other jobs (load average is
+printed at start and end) wall time swings several-fold between methods run a minute apart, CPU time much
+less, so compare ratios of CPU time there.
 
 Run:  .venv/bin/python benchmarks/bench_fused_logprob.py [--quick] [--sweep]
       .venv/bin/python benchmarks/bench_fused_logprob.py --device cuda --dtype bf16 \
@@ -107,7 +110,7 @@ def child(args) -> dict:
     out: dict = {"method": args.method, "device": args.device, "dtype": args.dtype}
 
     for phase, grad in (("train", True), ("nograd", False)):
-        times, peak = [], 0
+        times, cpu_times, peak = [], [], 0
         logp = gh = gw = None
         for _ in range(args.reps):
             logp = gh = gw = None
@@ -118,18 +121,24 @@ def child(args) -> dict:
             else:
                 base_kib = _rss_kib("VmRSS")
                 hwm_ok = _reset_hwm()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             logp, gh, gw = _run_method(torch, args.method, hidden, weight, targets, gout, chunk, grad)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
             if cuda:
                 peak = max(peak, torch.cuda.max_memory_allocated() - base)
             else:
                 top = _rss_kib("VmHWM") if hwm_ok else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 peak = max(peak, (top - base_kib) * 1024)
                 out["peak_method"] = "VmHWM after clear_refs" if hwm_ok else "ru_maxrss (over-counts)"
-        out[phase] = {"time_s": min(times), "times_s": times, "head_peak_bytes": peak}
+        out[phase] = {
+            "time_s": min(times),
+            "times_s": times,
+            "cpu_s": min(cpu_times),
+            "head_peak_bytes": peak,
+        }
         if grad and args.save:
             torch.save(
                 {"logp": logp.float().cpu(), "gh": gh.float().cpu(), "gw": gw.float().cpu()}, args.save
@@ -163,6 +172,8 @@ def _spawn(args, method, chunk=0, save=None) -> dict:
 def _fmt(r: dict, phase: str) -> str:
     p = r[phase]
     s = f"{p['head_peak_bytes'] / _MIB:9.1f} MiB  {p['time_s']:8.3f} s"
+    if r["device"] == "cpu":
+        s += f"  {p['cpu_s']:8.3f} s CPU"
     if r["device"] == "cuda":
         s += f"  {r['flops_' + phase] / p['time_s'] / 1e12:7.1f} TFLOP/s"
         if phase == "train" and r["method"] != "naive":  # the recompute GEMM, executed but not credited
@@ -216,7 +227,7 @@ def main(argv=None) -> int:
             methods.append("fused-torch")
         for m in methods:
             results[m] = _spawn(args, m, chunk=args.chunk, save=os.path.join(tmp, m + ".pt"))
-        print(f"\n{'method':<14}{'phase':<8}{'head peak':>13}{'time':>11}")
+        print(f"\n{'method':<14}{'phase':<8}{'head peak':>13}{'wall time':>11}")
         for m, r in results.items():
             for phase in ("train", "nograd"):
                 print(f"{m:<14}{phase:<8}{_fmt(r, phase)}")
@@ -241,6 +252,7 @@ def main(argv=None) -> int:
                     print(
                         f"  {phase:<7} memory: naive / fused = {a['head_peak_bytes'] / max(b['head_peak_bytes'], 1):6.1f}x"
                         f"   time: fused / naive = {b['time_s'] / a['time_s']:5.2f}x"
+                        + (f" (CPU time {b['cpu_s'] / a['cpu_s']:5.2f}x)" if args.device == "cpu" else "")
                     )
     if args.sweep:
         print(f"\nchunk sweep ({fused}, fwd+bwd):")

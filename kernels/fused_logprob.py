@@ -57,15 +57,20 @@ __all__ = ["fused_logprobs", "naive_logprobs", "default_chunk_size"]
 
 _BACKENDS = ("auto", "triton", "torch")
 
-# Chunk sizing. The torch path on CPU (2-core EPYC, fp32, V=49,152, H=576, 2,048 tokens fwd+bwd,
-# measured with benchmarks/bench_fused_logprob.py --sweep): chunk 128 -> 2.93 s, 256 -> 2.82 s,
-# 512 -> 2.84 s, 1024 -> 2.93 s, 2048 -> 3.09 s. The matmul is ~90% of the time and reaches ~110 GFLOP/s
-# from 256 rows up; bigger blocks only add DRAM traffic for the row passes. 256 x 49,152 fp32 = 48 MiB,
-# so the budget below is 48 MiB of fp32 logits per chunk.
-_CPU_CHUNK_BYTES = 48 * 2**20
+# Chunk sizing. The torch path on CPU (2-core EPYC shared with other jobs, load average ~12, fp32,
+# V=49,152, H=576, 2,048 tokens fwd+bwd; `bench_fused_logprob.py --quick --sweep`, process CPU time):
+# chunk 128 -> 8.36 s, 256 -> 6.97 s, 512 -> 6.15 s, 1024 -> 5.92 s, 2048 -> 5.94 s (naive 4.95 s in the
+# same run). GEMMs are ~86% of the time (torch profiler, chunk 256) and run at ~97 GFLOP/s with 64 rows,
+# ~111 with 256, ~128 with 1024; small chunks also pay one OpenMP fork/join per op. 512 rows keep 96%
+# of the 1024-row speed at two thirds of its head memory (209 vs 305 MiB at 2,048 tokens; naive
+# 1,157 MiB), so the budget is 512 x 49,152 x fp32 = 96 MiB of logits per chunk.
+# Vocab chunking (online logsumexp across vocab blocks) would shrink the GEMMs to win back part of the
+# ~13% spent in the row passes; at these shapes that cannot pay, so the torch path chunks tokens only.
+_CPU_CHUNK_BYTES = 96 * 2**20
 # On CUDA the chunk is a bf16 block read by cuBLAS and streamed twice by the Triton kernels. 512 MiB at
 # 151,936 x bf16 gives 1,024 rows: a [1024, 2048] x [2048, 151936] GEMM (0.64 TFLOP) is large enough to
-# keep an H200 busy, and the block is ~1.5% of the ~50 GB the naive head needs at 32,768 tokens.
+# keep an H200 busy, and the 311 MiB block is <1% of what the naive head needs at 32,768 tokens (an
+# estimated ~50 GB: bf16 logits 10 GB + fp32 copy 20 GB + log_softmax output 20 GB, kept for backward).
 # Not yet measured on a GPU: benchmarks/gpu_check.py sweeps 256..4096 and prints the figures.
 _CUDA_CHUNK_BYTES = 512 * 2**20
 _MIN_CHUNK, _MAX_CHUNK = 16, 8192
@@ -175,6 +180,8 @@ def _row_ops(backend: str):
     return fused_logprob_triton.TritonRowOps
 
 
+@torch.autocast("cpu", enabled=False)
+@torch.autocast("cuda", enabled=False)
 def _forward_chunks(hidden, weight, bias, targets, inv_t, want_entropy, chunk, ops):
     n = hidden.shape[0]
     logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -191,11 +198,13 @@ def _forward_chunks(hidden, weight, bias, targets, inv_t, want_entropy, chunk, o
     return logp, lse, entropy
 
 
+@torch.autocast("cpu", enabled=False)
+@torch.autocast("cuda", enabled=False)
 def _backward_chunks(hidden, weight, bias, targets, inv_t, lse, entropy, g_logp, g_ent, chunk, ops, needs):
     need_h, need_w, need_b = needs
     n = hidden.shape[0]
     grad_h = torch.empty_like(hidden) if need_h else None
-    grad_w = torch.zeros_like(weight) if need_w else None
+    grad_w = torch.empty_like(weight) if need_w else None  # the first chunk writes it: no zero-fill pass
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
     ws = _Workspace(weight.shape[0], hidden.device)
     for s in range(0, n, chunk):
@@ -220,7 +229,10 @@ def _backward_chunks(hidden, weight, bias, targets, inv_t, lse, entropy, g_logp,
         if need_h:
             torch.mm(dz, weight, out=grad_h[s:e])
         if need_w:
-            grad_w.addmm_(dz.T, h_c)
+            if s == 0:
+                torch.mm(dz.T, h_c, out=grad_w)
+            else:
+                grad_w.addmm_(dz.T, h_c)
     if need_b:
         grad_b = grad_b.to(bias.dtype)
     return grad_h, grad_w, grad_b
@@ -329,9 +341,15 @@ def fused_logprobs(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1).long().contiguous()
     n = hidden.shape[0]
-    if n and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+    if n and not (0 <= (lo_hi := torch.aminmax(targets)).min.item() and lo_hi.max.item() < vocab):
         bad = targets[(targets < 0) | (targets >= vocab)][:5].tolist()
         raise IndexError(f"fused_logprobs: target ids {bad} outside the vocabulary [0, {vocab})")
+    if torch.is_autocast_enabled(hidden.device.type):
+        # Do what an lm_head Linear does under autocast: run the matmul in the autocast dtype. The casts
+        # are differentiable, so fp32 master weights still receive fp32 gradients.
+        amp_dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(amp_dtype), weight.to(amp_dtype)
+        bias = None if bias is None else bias.to(amp_dtype)
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     hidden = hidden.contiguous()

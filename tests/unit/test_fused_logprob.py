@@ -220,6 +220,22 @@ def test_frozen_head_only_hidden_gets_gradient():
     assert weight.grad is None
 
 
+def test_autocast_runs_the_matmul_in_the_autocast_dtype_like_an_lm_head():
+    hidden, weight, _, targets, g, _ = _inputs(40, 300, 32)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = fused_logprobs(h, w, targets, chunk_size=16, backend="torch")
+        ref = torch.log_softmax((h2 @ w2.T).float(), -1).gather(1, targets[:, None])[:, 0]
+    # Same bf16 logits as the autocast lm_head, so equal up to fp32 reduction order, not bf16 rounding.
+    assert logp.dtype == torch.float32
+    assert (logp - ref).abs().max().item() < 1e-4
+    (logp * g).sum().backward()
+    (ref * g).sum().backward()
+    assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32  # fp32 masters keep fp32 grads
+    assert _cos(w.grad, w2.grad) >= 0.999 and _cos(h.grad, h2.grad) >= 0.999
+
+
 def test_leading_dims_are_flattened_and_restored():
     hidden, weight, _, targets, _, _ = _inputs(24, 100, 8)
     logp, ent = fused_logprobs(hidden.view(4, 6, 8), weight, targets.view(4, 6), compute_entropy=True)
@@ -245,9 +261,10 @@ def test_rejections_name_the_problem(monkeypatch):
 
 
 def test_default_chunk_size_follows_the_byte_budget():
-    # 48 MiB of fp32 logits per chunk on CPU: 256 rows at 49,152.
-    assert default_chunk_size(8192, 49152, torch.device("cpu"), torch.float32) == 256
-    assert default_chunk_size(8192, 49152, torch.device("cpu"), torch.bfloat16) == 256  # upcast to fp32
+    # 96 MiB of fp32 logits per chunk on CPU: 512 rows at 49,152.
+    assert default_chunk_size(8192, 49152, torch.device("cpu"), torch.float32) == 512
+    assert default_chunk_size(8192, 49152, torch.device("cpu"), torch.bfloat16) == 512  # upcast to fp32
+    assert default_chunk_size(8192, 151936, torch.device("cpu"), torch.float32) == 128
     # 512 MiB of bf16 on CUDA: 1,024 rows at 151,936.
     assert default_chunk_size(32768, 151936, torch.device("cuda"), torch.bfloat16) == 1024
     # Never more than the (power-of-two-rounded) token count; never below 1.
