@@ -149,12 +149,18 @@ _JSON_TYPES = {
 }
 
 
+def _any_type(value: Any) -> bool:
+    return True
+
+
 def _type_ok(value: Any, schema: Any) -> bool:
     if not isinstance(schema, dict):
         return True
     t = schema.get("type")
-    types = [t] if isinstance(t, str) else (t if isinstance(t, list) else [])
-    if types and not any(_JSON_TYPES.get(x, lambda v: True)(value) for x in types):
+    if isinstance(t, str):
+        if not _JSON_TYPES.get(t, _any_type)(value):
+            return False
+    elif isinstance(t, list) and t and not any(_JSON_TYPES.get(x, _any_type)(value) for x in t):
         return False
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         return all(_type_ok(v, schema["items"]) for v in value)

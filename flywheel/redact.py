@@ -89,6 +89,20 @@ BUILTIN_PATTERNS: dict[str, str] = {
     ),
 }
 BUILTIN_ORDER = ["bearer", "api_key", "card", "email", "phone"]
+
+# Conservative triggers on *raw JSON text*, in Rust regex syntax (run by polars over a whole batch of
+# lines: ~7 µs per 1 KB line here, against ~600 µs for the full Python patterns). Each is a superset
+# of its rule's matches: the characters a full match needs appear unescaped in the JSON text, except
+# through \uXXXX escapes (a separate trigger) and a tab written as \t (allowed explicitly).
+BUILTIN_TRIGGERS: dict[str, str] = {
+    "bearer": r"(?i:bearer)",
+    "api_key": r"sk-|pk-|rk-|AKIA|ASIA|gh[pousr]_|xox[abprs]-|AIza"
+    r"|(?i:api[_-]?key|secret|access[_-]?token|password|passwd)(?:[ \t]|\\t)*[:=]",
+    "card": r"\d(?:[ -]?\d){12}",
+    "email": r"@",
+    "phone": r"\+\d|\(\d|\d{3}[ .\-]\d{3}[ .\-]\d{4}",
+}
+_UNICODE_ESCAPE = r"\\u"
 _ANCHORS = re.compile(r"(?<!\\)[\^$]|\\[AZ]")
 
 
@@ -151,10 +165,13 @@ class Redactor:
                     repl = token
                 self.rules.append(Rule(name, rx, repl))
         self._always_walk = False
+        triggers = [BUILTIN_TRIGGERS[n] for n in BUILTIN_ORDER if n in builtin]
         for name, pattern in rules:
             self.rules.append(Rule(name, re.compile(pattern), REPLACEMENT.format(name=name)))
             if _ANCHORS.search(pattern):
                 self._always_walk = True
+            triggers.append(_scoped(pattern))
+        self._trigger = "|".join(f"(?:{t})" for t in [_UNICODE_ESCAPE, *triggers]) if self.rules else None
         self._any = (
             re.compile("|".join(f"(?:{_scoped(r.regex.pattern)})" for r in self.rules)) if self.rules else None
         )
@@ -189,6 +206,24 @@ class Redactor:
             if n:
                 self.counts[rule.name] += n
         return s
+
+    def lines_need_redaction(self, lines: list[bytes]) -> list[bool]:
+        """Vectorised conservative check over raw JSON lines (see :data:`BUILTIN_TRIGGERS`): False
+        means no string in that line can match a rule. Lines that are not UTF-8 are True."""
+        if not self.enabled or self._trigger is None:
+            return [False] * len(lines)
+        if self._always_walk:
+            return [True] * len(lines)
+        import polars as pl
+
+        # Invalid UTF-8 is replaced (U+FFFD): such lines are quarantined, and quarantined text is
+        # redacted by the full rules anyway.
+        text = pl.Series([x.decode("utf-8", "replace") for x in lines], dtype=pl.Utf8)
+        try:
+            hit = text.str.contains(self._trigger)
+        except Exception:  # noqa: BLE001 - a user pattern Rust's regex engine cannot compile
+            return [self.line_needs_redaction(x.decode("utf-8", "replace")) for x in lines]
+        return hit.fill_null(True).to_list()
 
     def line_needs_redaction(self, raw: str) -> bool:
         """Conservative check on a raw JSON line: False means no string in it can match a rule."""

@@ -74,7 +74,8 @@ def parse_json(data: bytes) -> tuple[Any, Problem | None]:
     except UnicodeDecodeError as u:
         return None, ("invalid_utf8", f"invalid UTF-8 at byte {u.start}: {u.reason}")
     try:
-        # orjson refuses integers beyond 64 bits, which JSON allows; the stdlib parser does not.
+        # A second opinion for what orjson refuses but JSON allows. (orjson reads integers beyond 64
+        # bits as floats: such values lose precision; documented in the ingest module.)
         return json.loads(text, parse_constant=_reject_constant), None
     except (ValueError, RecursionError):
         pass

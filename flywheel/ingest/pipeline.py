@@ -196,12 +196,12 @@ class _Preparer:
         self.content_counts[reason] += 1
 
     # records --------------------------------------------------------------------------------------
-    def _accept(self, b: _Batch, line: Line, rec: Any, raw_text: str | None, seen: set[str]) -> None:
+    def _accept(self, b: _Batch, line: Line, rec: Any, needs_redaction: bool, seen: set[str]) -> None:
         prob, dt = validate(rec, self.limits)
         if prob:
             self._quarantine(b, line, prob[0], prob[1])
             return
-        if self.redactor.enabled and (raw_text is None or self.redactor.line_needs_redaction(raw_text)):
+        if self.redactor.enabled and needs_redaction:
             before = dict(self.redactor.counts)
             original_id = rec["trace_id"]
             rec = self.redactor.trace(rec)
@@ -273,44 +273,53 @@ class _Preparer:
         if prob:
             self._quarantine(b, line, prob[0], prob[1])
             return
-        self._accept(b, line, rec, None, seen)
+        self._accept(b, line, rec, True, seen)
 
     def batches(self, lines: Iterator[Line], pos: Callable[[], int]) -> Iterator[_Batch]:
         size = self.icfg.batch_size
         no = 0
-        b = _Batch(no)
-        seen: set[str] = set()
+        chunk: list[Line] = []
+        end: Line | None = None
         for line in lines:
             if line.error:
-                self.cut = line.error
-                b.read += 1
-                self._quarantine(b, line, "truncated_file", line.error, replayable=False)
+                end = line
                 break
             self.lines = line.lineno
+            if line.lineno == 1 and line.data.startswith(b"\xef\xbb\xbf"):
+                line = Line(1, line.data[3:], line.oversize)
+            if line.oversize or line.data.strip():
+                chunk.append(line)
+            if len(chunk) >= size:
+                yield self._process(no, chunk, None, pos)
+                no += 1
+                chunk = []
+        yield self._process(no, chunk, end, pos, last=True)
+
+    def _process(self, no: int, chunk: list[Line], end: Line | None, pos: Callable[[], int], last: bool = False) -> _Batch:
+        b = _Batch(no)
+        seen: set[str] = set()
+        needs: list[bool] | None = None
+        if self.fmt == "openai" and chunk:
+            needs = self.redactor.lines_need_redaction([ln.data for ln in chunk])
+        for i, line in enumerate(chunk):
             if line.oversize:
                 b.read += 1
                 self._quarantine(b, line, "line_too_long",
                                  f"{line.oversize} bytes > ingest.max_line_bytes={self.icfg.max_line_bytes}",
                                  replayable=False)
             else:
-                data = line.data
-                if line.lineno == 1 and data.startswith(b"\xef\xbb\xbf"):
-                    data = data[3:]
-                    line = Line(line.lineno, data)
-                if data.strip():
-                    self._record(b, line, seen)
-            if len(b) + len(b.quarantine) >= size:
-                b.bytes_done = pos()
-                yield b
-                no += 1
-                b, seen = _Batch(no), set()
-        if self._open:  # root-less OTel traces: complete at end of file
+                self._record(b, line, seen, True if needs is None else needs[i])
+        if end is not None:
+            self.cut = end.error
+            b.read += 1
+            self._quarantine(b, end, "truncated_file", end.error or "", replayable=False)
+        if last and self._open:  # root-less OTel traces: complete at end of file
             for tid in list(self._open):
                 self._emit_otel(b, tid, seen)
         b.bytes_done = pos()
-        yield b
+        return b
 
-    def _record(self, b: _Batch, line: Line, seen: set[str]) -> None:
+    def _record(self, b: _Batch, line: Line, seen: set[str], needs_redaction: bool = True) -> None:
         obj, prob = formats.parse_json(line.data)
         if self.fmt != "otel":
             b.read += 1
@@ -320,17 +329,13 @@ class _Preparer:
             self._quarantine(b, line, prob[0], prob[1])
             return
         if self.fmt == "openai":
-            try:
-                raw_text = line.data.decode("utf-8")
-            except UnicodeDecodeError:  # unreachable: parse_json succeeded
-                raw_text = None
-            self._accept(b, line, obj, raw_text, seen)
+            self._accept(b, line, obj, needs_redaction, seen)
         elif self.fmt == "bfcl":
             rec, prob = self.bfcl.to_trace(obj)  # type: ignore[union-attr]
             if prob:
                 self._quarantine(b, line, prob[0], prob[1])
             else:
-                self._accept(b, line, rec, None, seen)
+                self._accept(b, line, rec, True, seen)
         else:
             self._otel_line(b, line, obj, seen)
 

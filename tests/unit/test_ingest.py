@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from flywheel.artifacts import ArtifactStore
-from flywheel.ingest import IngestRefused, ingest_paths, list_quarantine, load_traces, replay_quarantine, show_quarantine
+from flywheel.ingest import (
+    IngestRefused,
+    ingest_paths,
+    list_quarantine,
+    load_traces,
+    replay_quarantine,
+    show_quarantine,
+)
 from flywheel.store import canonical_json
 
 FIX = Path(__file__).parents[1] / "fixtures" / "traces"

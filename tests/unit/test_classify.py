@@ -1,0 +1,78 @@
+"""Failure classification: one trace per kind, hand-built; identity normalisation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flywheel.classify import FAILURE_KINDS, classify, failure_identity
+
+TOOLS = [{"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "properties": {"people": {"type": "integer"}, "time": {"type": "string"},
+                                     "size": {"type": "string", "enum": ["s", "m"]}},
+    "required": ["people"]}}}]
+
+
+def _t(assistant, outcome=None, correction=None, tools=TOOLS, user="book 2"):
+    t = {"trace_id": "t", "timestamp": "2026-11-02T09:00:00Z", "model": "m", "tools": tools,
+         "messages": [{"role": "user", "content": user}, assistant], "outcome": outcome or {"status": "failure"}}
+    if correction is not None:
+        t["correction"] = correction
+    return t
+
+
+def _call(name, args):
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}]}
+
+
+CORR = {"tool_calls": [{"name": "book", "arguments": {"people": 2, "time": {"one_of": ["19:00"], "optional": True}}}]}
+
+CASES = {
+    "invalid_json": _t(_call("book", '{"people": 2')),
+    "unknown_tool": _t(_call("reserve", {"people": 2})),
+    "missing_required_arg": _t(_call("book", {"time": "19:00"})),
+    "wrong_arg_type": _t(_call("book", {"people": "two"})),
+    "wrong_arg_value": _t(_call("book", {"people": 3}), correction=CORR),
+    "no_tool_call": _t({"role": "assistant", "content": "Done!"}, correction=CORR),
+    "extra_tool_call": _t({"role": "assistant", "content": None, "tool_calls": [
+        _call("book", {"people": 2})["tool_calls"][0], _call("book", {"people": 2})["tool_calls"][0]]}, correction=CORR),
+    "test_failure": _t({"role": "assistant", "content": "def f(): return 1"}, tools=[],
+                       outcome={"status": "failure", "tests": "def test(): assert False", "error": "AssertionError"}),
+    "runtime_exception": _t({"role": "assistant", "content": "def f(): return 1/0"}, tools=[],
+                            outcome={"status": "failure", "tests": "x", "error": "Traceback (most recent call last):\n ZeroDivisionError"}),
+    "negative_feedback": _t({"role": "assistant", "content": "Sure."}, outcome={"status": "success", "feedback": {"score": -1}}),
+    "other": _t({"role": "assistant", "content": "Hmm."}),
+}
+
+
+@pytest.mark.parametrize("kind", FAILURE_KINDS)
+def test_each_kind(kind):
+    c = classify(CASES[kind])
+    assert c.failed and c.kinds == [kind], (c.kinds, c.details)
+
+
+def test_enum_violation_pythonic_text_and_success():
+    assert classify(_t(_call("book", {"people": 2, "size": "xl"}))).kinds == ["wrong_arg_value"]
+    # text answers are read with the shared parser (BFCL pythonic format)
+    c = classify(_t({"role": "assistant", "content": "[book(people='2')]"}))
+    assert c.kinds == ["wrong_arg_type"] and c.calls[0].name == "book"
+    ok = classify(_t(_call("book", {"people": 2}), outcome={"status": "success"}))
+    assert not ok.failed and ok.kinds == []
+    # a declared kind is kept; an unknown declared kind is recorded in details
+    assert "wrong_arg_value" in classify(_t({"role": "assistant", "content": "x"},
+                                            outcome={"status": "failure", "kind": "wrong_arg_value"})).kinds
+    c = classify(_t({"role": "assistant", "content": "x"}, outcome={"status": "failure", "kind": "weird"}))
+    assert c.kinds == ["other"] and "weird" in c.details[0]
+
+
+def test_identity_normalises_whitespace_and_case_only():
+    a = _t(_call("book", {"people": 3}), user="Book  2\nplease")
+    b = _t(_call("book", {"people": 3}), user="book 2 PLEASE")
+    c = _t(_call("book", {"people": 4}), user="book 2 please")
+    b["trace_id"], b["timestamp"], b["model"] = "other", "2026-12-01T00:00:00Z", "m2"
+    assert failure_identity(a) == failure_identity(b)
+    assert failure_identity(a)[0] != failure_identity(c)[0]
+    fid, h = failure_identity(a)
+    assert fid == "failure:" + h[:16] and len(h) == 64
