@@ -361,3 +361,34 @@ def load_config(
         return FlywheelConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e, " < ".join(sources))) from None
+
+
+def reference_markdown() -> str:
+    """``docs/configuration.md``: every section and field with its default and description."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `flywheel/config.py` by `flywheel config --reference` (a test keeps it in sync).",
+        "Precedence: defaults < `flywheel.toml` < environment (`FLYWHEEL_<SECTION>__<FIELD>`, `FLYWHEEL_HOME`,",
+        "`MLFLOW_TRACKING_URI`) < CLI flags. Unknown keys and bad values are rejected with the key and the reason.",
+        "",
+    ]
+
+    def rows(model: type[BaseModel]) -> list[str]:
+        out = ["| field | type | default | description |", "|---|---|---|---|"]
+        for name, f in model.model_fields.items():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                continue
+            default = f.get_default(call_default_factory=True)
+            ann = (getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")).replace("|", "\\|")
+            desc = (f.description or "").replace("|", "\\|").replace("\n", " ")
+            out.append(f"| `{name}` | `{ann}` | `{default!r}` | {desc} |")
+        return out
+
+    lines += ["## top level", ""] + rows(FlywheelConfig) + [""]
+    for name, f in FlywheelConfig.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            doc = (ann.__doc__ or "").strip().splitlines()[0] if ann.__doc__ else ""
+            lines += [f"## [{name}]", ""] + ([doc, ""] if doc else []) + rows(ann) + [""]
+    return "\n".join(lines)

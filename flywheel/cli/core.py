@@ -28,6 +28,7 @@ def register(app: typer.Typer) -> None:
     app.command("events")(events)
     app.add_typer(warehouse_app, name="warehouse")
     app.command("lineage")(lineage)
+    app.command("config")(config_cmd)
 
 
 @handle_errors
@@ -193,3 +194,28 @@ def lineage(
                    "nodes": [{"entity_id": e, "depth": d} for e, d in rows]})
     else:
         print_table(f"lineage of {entity} ({direction})", ["depth", "entity"], [(d, e) for e, d in rows])
+
+
+@handle_errors
+def config_cmd(
+    reference: bool = typer.Option(False, "--reference", help="Print the Markdown reference of every field."),
+    home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt,
+) -> None:
+    """Show the effective configuration (defaults < flywheel.toml < environment < flags)."""
+    from flywheel.config import reference_markdown
+
+    if reference:
+        out.print(reference_markdown(), markup=False, highlight=False)
+        return
+    cfg = load(home, config)
+    data = json.loads(cfg.model_dump_json())
+    if as_json:
+        emit_json(data)
+        return
+    rows = []
+    for k, v in data.items():
+        if isinstance(v, dict):
+            rows += [(f"{k}.{kk}", json.dumps(vv)) for kk, vv in v.items()]
+        else:
+            rows.append((k, json.dumps(v)))
+    print_table("effective configuration", ["key", "value"], rows)
