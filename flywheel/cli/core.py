@@ -205,7 +205,9 @@ def config_cmd(
     from flywheel.config import reference_markdown
 
     if reference:
-        out.print(reference_markdown(), markup=False, highlight=False)
+        import sys
+
+        sys.stdout.write(reference_markdown() + "\n")
         return
     cfg = load(home, config)
     data = json.loads(cfg.model_dump_json())
