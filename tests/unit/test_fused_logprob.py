@@ -236,6 +236,17 @@ def test_autocast_runs_the_matmul_in_the_autocast_dtype_like_an_lm_head():
     assert _cos(w.grad, w2.grad) >= 0.999 and _cos(h.grad, h2.grad) >= 0.999
 
 
+def test_non_contiguous_weight_gets_a_correct_gradient():
+    # A [V, H] weight stored as the transpose of an [H, V] leaf (e.g. a checkpoint kept head-major).
+    hidden, weight, _, targets, g, _ = _inputs(30, 200, 16)
+    w_t = weight.T.contiguous().requires_grad_()  # leaf [H, V]
+    logp, _ = fused_logprobs(hidden, w_t.T, targets, backend="torch", chunk_size=8)
+    (logp * g).sum().backward()
+    w2 = weight.double().requires_grad_()
+    (naive_logprobs(hidden.double(), w2, targets)[0] * g.double()).sum().backward()
+    assert _cos(w_t.grad.T, w2.grad) >= 0.9999
+
+
 def test_leading_dims_are_flattened_and_restored():
     hidden, weight, _, targets, _, _ = _inputs(24, 100, 8)
     logp, ent = fused_logprobs(hidden.view(4, 6, 8), weight, targets.view(4, 6), compute_entropy=True)
