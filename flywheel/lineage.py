@@ -147,17 +147,23 @@ def impact(store: Any, root: str) -> dict[str, list[str]]:
 
 
 def render_tree(node: Node) -> Any:
+    from rich.text import Text
     from rich.tree import Tree
 
     def style(kind: str) -> str:
         return {"model": "bold magenta", "run": "cyan", "rollouts": "blue", "env": "green", "suite": "green",
                 "synth": "yellow", "eval": "white", "failure": "red", "trace": "dim", "gate": "bold"}.get(kind, "")
 
+    def text(n: Node) -> Any:
+        # Labels hold entity ids and facts such as "kinds=['tool_call']": plain text, never markup.
+        # Kinds without a colour (ingest batches, cycles) must not get an empty "[]...[/]" tag either.
+        return Text(n.label, style=style(n.kind))
+
     def add(t: Any, n: Node) -> None:
         for c in n.children:
-            add(t.add(f"[{style(c.kind)}]{c.label}[/]"), c)
+            add(t.add(text(c)), c)
 
-    root = Tree(f"[{style(node.kind)}]{node.label}[/]")
+    root = Tree(text(node))
     add(root, node)
     return root
 
