@@ -181,3 +181,17 @@ def test_semantic_index_catches_a_paraphrase_with_little_word_overlap():
     hits = idx.query(["Tomorrow's forecast for Paris, please", "Sort this list of integers in ascending order"])
     assert hits[0] and hits[0][0].key == "w"
     assert hits[1] == []
+
+
+def test_vectorised_pair_jaccard_equals_the_set_computation(bfcl_texts):
+    from flywheel.dedup import pair_jaccard
+
+    mh = MinHasher(128)
+    qv, qo = mh.shingle_hashes(bfcl_texts[:60])
+    dv, do = mh.shingle_hashes(bfcl_texts[30:90] + [""])
+    rng = np.random.default_rng(0)
+    qi, di = rng.integers(0, 60, 500), rng.integers(0, 61, 500)
+    got = pair_jaccard(qv, qo, qi, dv, do, di, chunk=97)  # several chunks
+    want = [jaccard(qv[qo[q]:qo[q + 1]], dv[do[d]:do[d + 1]]) for q, d in zip(qi, di, strict=True)]
+    assert np.allclose(got, want)
+    assert got[qi == di + 30].min() == 1.0  # the same text on both sides
