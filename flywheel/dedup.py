@@ -41,14 +41,32 @@ Parameters of the near-duplicate check, and why
   distinct BFCL items have another item that close -- and those are templated twins with different
   values, which synth separates by comparing the expected answers as well (see ``flywheel.synth``).
 
-Hashing: tokens are hashed once per distinct token (BLAKE2b, 64 bits, cached); an n-gram's hash is
+Hashing: a corpus is tokenised text by text, its raw tokens factorised (pandas, in C), and each
+*distinct* token canonicalised and hashed once (BLAKE2b, 64 bits, cached); an n-gram's hash is
 Murmur3's 64-bit finaliser over a weighted sum of its token hashes, folded to 32 bits. Because those
 keys are already well mixed, permutation ``i`` can be the cheap affine map ``(a_i * x + b_i) mod 2**32``
 (odd ``a_i``), computed in uint32 for all shingles of a block of documents at once and min-reduced per
 document with ``np.minimum.reduceat``. Measured on 961 perturbed BFCL pairs with 0.2 < J < 0.9: bias
--0.003 and RMSE 1.01x the theoretical ``sqrt(J(1-J)/128)`` -- as good as the 64-bit
+-0.003 and RMSE 1.01x the theoretical ``sqrt(J(1-J)/128)`` -- as good as a 64-bit
 multiply-add-shift family, at half the memory traffic. Deterministic across processes and machines
-(no Python ``hash``).
+(no Python ``hash``). Candidate pairs are confirmed in bulk (:func:`pair_jaccard`: both sides'
+members keyed by pair, sorted together, equal neighbours counted).
+
+Why numpy rather than datasketch (``benchmarks/bench_dedup.py``, same data, same run, same shingles,
+128 permutations, 32 x 4 bands): 2,000 held-out tasks indexed, 100,000 generated tasks queried,
+1,000 of them planted near-duplicates. Measured on the shared 2-core machine (load average ~11):
+
+=================  ========  ==========  ========  ===============
+method             wall      peak RSS    recall    false positives
+=================  ========  ==========  ========  ===============
+flywheel.dedup     15.9 s    366 MB      0.999     0.00 %
+datasketch LSH     49.0 s    241 MB      0.979     1.23 %
+=================  ========  ==========  ========  ===============
+
+3.1x faster (10,000 queries: 3.1-4.5x across runs); datasketch's misses and false positives come
+from confirming with the MinHash *estimate*, which this module replaces with the exact Jaccard. The
+price is memory: the shingle sets of the index and of a 16k-query chunk are kept (+156 MB over the
+loaded data vs +31 MB).
 
 Not guaranteed: detection of paraphrases that share few words (that is what the semantic check is
 for); collisions of 32-bit shingle hashes make two different bigrams equal with probability
