@@ -99,6 +99,9 @@ def synth(
     if data["by_generator"]:
         print_table("by generator", ["generator", "generated", "accepted"],
                     [(g, v["generated"], v["accepted"]) for g, v in sorted(data["by_generator"].items())])
+    if data["not_applicable"]:
+        out.print(f"{data['not_applicable']} generator slots had nothing to work on (no statable value to mutate, "
+                  "no compatible partner, ...): not counted as generated")
     if data["decontaminated_against"]:
         out.print(f"decontaminated against {', '.join(data['decontaminated_against'])}")
     else:

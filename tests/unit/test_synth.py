@@ -146,6 +146,7 @@ def test_parallel_composition_needs_both_calls(seeds):
         assert verify(c.task["verifier"], _answer(list(reversed(calls)))).passed  # order-insensitive
 
 
+@pytest.mark.slow  # first GX validation in the process imports great_expectations (~3.5 s)
 def test_paraphrase_keeps_values_or_is_invalid():
     seed = _eval("Forecast for Oslo for the next 3 days please", {"city": "Oslo", "days": 3})
 
@@ -162,6 +163,7 @@ def test_paraphrase_keeps_values_or_is_invalid():
 
 
 # ------------------------------------------------------------------------------ validation
+@pytest.mark.slow
 def test_gx_suite_and_per_task_checks_reject_broken_candidates_naming_the_reason(seeds):
     cands, _ = generate_candidates(seeds[:4], make_generators(["distractor"]), 1, seed=0)
     bad_schema = copy.deepcopy(cands[0])
