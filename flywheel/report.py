@@ -52,9 +52,9 @@ def svg_stacked_bars(categories: list[str], series: dict[str, list[float]], *, t
     parts = [f'<svg class="chart" role="img" aria-label="{esc(title)}" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">']
     parts.append(f'<line x1="{pad_l}" y1="{pad_t + h}" x2="{pad_l + w}" y2="{pad_t + h}" stroke="#999"/>')
-    for frac in (0.5, 1.0):
+    for frac in (0.0, 0.5, 1.0):
         y = pad_t + h - frac * h
-        parts.append(f'<text x="{pad_l - 6}" y="{y + 4:.1f}" font-size="10" text-anchor="end">{top * frac:.0f}</text>')
+        parts.append(f'<text x="{pad_l - 6}" y="{y + 4:.1f}" font-size="10" text-anchor="end">{top * frac:g}</text>')
     for i, cat in enumerate(categories):
         y = pad_t + h
         for j, (name, vals) in enumerate(series.items()):
@@ -77,7 +77,7 @@ def svg_stacked_bars(categories: list[str], series: dict[str, list[float]], *, t
 
 
 def svg_lines(series: dict[str, list[tuple[float, float]]], *, title: str, width: int = 760, height: int = 240) -> str:
-    pad_l, pad_b, pad_t = 56, 40, 20
+    pad_l, pad_b, pad_t = 72, 40, 20
     w, h = width - pad_l - 16, height - pad_b - pad_t
     pts = [p for s in series.values() for p in s]
     if not pts:
@@ -85,12 +85,15 @@ def svg_lines(series: dict[str, list[tuple[float, float]]], *, title: str, width
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
+    digits = 3
+    while digits < 9 and f"{y0:.{digits}g}" == f"{y1:.{digits}g}":
+        digits += 1
     parts = [f'<svg class="chart" role="img" aria-label="{esc(title)}" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">',
              f'<line x1="{pad_l}" y1="{pad_t + h}" x2="{pad_l + w}" y2="{pad_t + h}" stroke="#999"/>',
              f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{pad_t + h}" stroke="#999"/>',
-             f'<text x="{pad_l - 6}" y="{pad_t + 4}" font-size="10" text-anchor="end">{y1:.3g}</text>',
-             f'<text x="{pad_l - 6}" y="{pad_t + h}" font-size="10" text-anchor="end">{y0:.3g}</text>',
+             f'<text x="{pad_l - 6}" y="{pad_t + 4}" font-size="10" text-anchor="end">{y1:.{digits}g}</text>',
+             f'<text x="{pad_l - 6}" y="{pad_t + h}" font-size="10" text-anchor="end">{y0:.{digits}g}</text>',
              f'<text x="{pad_l + w}" y="{pad_t + h + 14}" font-size="10" text-anchor="end">step {x1:g}</text>']
     for j, (name, s) in enumerate(series.items()):
         col = PALETTE[j % len(PALETTE)]
@@ -114,7 +117,12 @@ def svg_pass_rates(rows: list[dict[str, Any]], *, title: str, width: int = 760) 
                      f'<text x="{x:.1f}" y="12" font-size="10" text-anchor="middle">{frac:.0%}</text>')
     y = 24
     for r in rows:
-        parts.append(f'<text x="{pad_l - 8}" y="{y + bar_h + 4}" font-size="11" text-anchor="end">{esc(r["slice"])} (n={r["n"]})</text>')
+        label = f'{r["slice"]} (n={r["n"]})'
+        # ~6 px per character at 11 px: the label must fit left of the bars (pad_l - 8 px).
+        room = (pad_l - 12) // 6
+        short = label if len(label) <= room else "…" + label[-(room - 1):]
+        parts.append(f'<text x="{pad_l - 8}" y="{y + bar_h + 4}" font-size="11" text-anchor="end">{esc(short)}'
+                     f'<title>{esc(label)}</title></text>')
         for who in ("champion", "challenger"):
             k = r[f"{who}_passed"]
             rate = k / r["n"] if r["n"] else 0.0

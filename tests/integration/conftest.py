@@ -289,7 +289,8 @@ class CycleProcess:
         self._err.close()
 
     def stderr_tail(self, n: int = 6000) -> str:
-        self._err.flush()
+        if not self._err.closed:
+            self._err.flush()
         return self.stderr_path.read_text(errors="replace")[-n:]
 
 
