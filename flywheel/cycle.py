@@ -118,9 +118,12 @@ def demonstrations_from_tasks(train_tasks: list[dict], regression_tasks: list[di
             kw["answer_content"] = ref["content"]
         else:
             continue
+        # The source must be an entity of the store so lineage reaches the failures: a synthetic task
+        # is named by its batch (synth:<batch>, caused by its seed evals), an eval by its own id.
+        source = meta.get("synth_batch") or t["task_id"]
         demos.append(Demonstration(
             messages=t["prompt"]["messages"], tools=t["prompt"].get("tools") or None,
-            source_entity_id=t["task_id"], split="train" if split == "regression" else split, **kw,
+            source_entity_id=source, split="train" if split == "regression" else split, **kw,
         ))
     return demos
 

@@ -44,6 +44,19 @@ PROFILES: dict[str, dict[str, Any]] = {
             "gate": {"max_new_tokens": 48, "bootstrap_samples": 2000, "min_improvement": 0.0},
         },
     },
+    # The whole demo path with a tiny random model in about a minute: what tests/integration/test_demo.py runs.
+    "smoke": {
+        "traffic": {"simple_python": 8, "multiple": 3, "parallel": 3, "parallel_multiple": 2},
+        "traffic_max_tokens": 12,
+        "config": {
+            "policy": {"base_model": "tiny", "device": "cpu", "dtype": "float32"},
+            "evals": {"heldout_fraction": 0.3},
+            "synth": {"per_seed": 1, "generators": ["mutate"]},
+            "rollout": {"group_size": 2, "max_new_tokens": 12, "max_tasks": 4},
+            "train": {"mode": "auto", "sft_steps": 2, "steps": 1, "batch_size": 4, "lora_r": 4, "micro_batch_tokens": 4096},
+            "gate": {"max_new_tokens": 12, "bootstrap_samples": 200, "min_improvement": 0.0},
+        },
+    },
     "gpu": {
         "traffic": {"simple_python": 200, "multiple": 100, "parallel": 100, "parallel_multiple": 100},
         "traffic_max_tokens": 96,

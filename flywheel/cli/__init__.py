@@ -35,4 +35,10 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
+    import sys
+
+    if "--json" in sys.argv[1:]:
+        from flywheel.cli.common import reserve_stdout_for_json
+
+        reserve_stdout_for_json()
     app()

@@ -71,9 +71,26 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def emit_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str, sort_keys=False) + "\n")
+_json_out: Any = None
+
+
+def reserve_stdout_for_json() -> None:
+    """Under ``--json``, stdout carries exactly one JSON document: libraries that print to stdout
+    (DeepSpeed's logger, tqdm bars, warnings) are sent to stderr at the file-descriptor level, and
+    :func:`emit_json` writes to the original stdout."""
+    global _json_out
+    if _json_out is not None:
+        return
     sys.stdout.flush()
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    _json_out = os.fdopen(fd, "w")
+
+
+def emit_json(data: Any) -> None:
+    stream = _json_out or sys.stdout
+    stream.write(json.dumps(data, indent=2, default=str, sort_keys=False) + "\n")
+    stream.flush()
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:

@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def demo(
-    profile: str = typer.Option("cpu", "--profile", help="cpu (demo-sized, 2 cores) or gpu (larger budgets, CUDA)."),
+    profile: str = typer.Option("cpu", "--profile", help="cpu (demo-sized, 2 cores), gpu (larger budgets, CUDA) or smoke (tiny random model, ~1 min)."),
     gpu: bool = typer.Option(False, "--gpu", help="Shorthand for --profile gpu."),
     home: str = HomeOpt,
     config: str = ConfigOpt,
