@@ -66,6 +66,10 @@ class IngestConfig(_Section):
     min_timestamp: str = Field("2000-01-01T00:00:00Z", description="Earliest sane trace timestamp.")
     max_future_days: int = Field(2, ge=0, description="How far in the future a timestamp may lie.")
     max_messages: int = Field(512, ge=1, description="Upper bound on messages per trace (GX suite).")
+    duckdb_memory_mb: int = Field(
+        768, ge=64, description="DuckDB buffer-pool cap while ingesting (restored afterwards), so peak RSS "
+        "stays bounded however large the warehouse grows."
+    )
 
 
 class EvalsConfig(_Section):
