@@ -48,6 +48,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,8 @@ class IngestSummary:
 class _Batch:
     no: int
     trace_ids: list[str] = field(default_factory=list)
-    recs: list[dict[str, Any]] = field(default_factory=list)  # redacted traces (failures only kept)
+    recs: list[dict[str, Any]] = field(default_factory=list)  # redacted traces (first of each failure)
+    first_of: dict[str, int] = field(default_factory=dict)  # failure id -> index of its kept trace
     status: list[str] = field(default_factory=list)
     kinds: list[list[str]] = field(default_factory=list)
     failure_ids: list[str | None] = field(default_factory=list)
@@ -225,7 +227,11 @@ class _Preparer:
                 self.kind_counts[k] += 1
         msgs = rec["messages"]
         b.trace_ids.append(tid)
-        b.recs.append(rec if cls.failed else None)  # type: ignore[arg-type]
+        # Only the first trace of each failure in the batch is needed (for a new failure's payload).
+        keep_rec = cls.failed and fid not in b.first_of
+        if keep_rec:
+            b.first_of[fid] = len(b.trace_ids) - 1  # type: ignore[index]
+        b.recs.append(rec if keep_rec else None)  # type: ignore[arg-type]
         b.status.append("failure" if cls.failed else "success")
         b.kinds.append(cls.kinds)
         b.failure_ids.append(fid)
@@ -520,7 +526,8 @@ class _Committer:
             kinds = sorted({k for i in idxs for k in b.kinds[i]}, key=FAILURE_KINDS.index)
             old = states.get(fid)
             if old is None:
-                payload = _failure_payload(b.recs[idxs[0]], fid, b.content_hashes[idxs[0]], kinds, tids, tss,
+                # The batch's first trace of this failure carries the content (identical by definition).
+                payload = _failure_payload(b.recs[b.first_of[fid]], fid, b.content_hashes[idxs[0]], kinds, tids, tss,
                                            b.details[idxs[0]] or [])
                 new += 1
             else:
@@ -581,6 +588,24 @@ def _failure_payload(rec: dict[str, Any], fid: str, chash: str | None, kinds: li
         "source_id": rec.get("source_id"),
         "content_hash": chash,
     }
+
+
+@contextmanager
+def _duckdb_memory_cap(store: Any, mb: int) -> Iterator[None]:
+    """Cap DuckDB's buffer pool while ingesting. DuckDB defaults to 80% of RAM and never gives pages
+    back on its own: measured here, peak RSS grew from 1.2 GB (10^5 traces) to 2.0 GB (10^6) without
+    a cap. The previous limit is restored afterwards."""
+    con = store.con
+    try:
+        before = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+    except Exception:  # noqa: BLE001 - a store without the setting: no cap
+        yield
+        return
+    con.execute(f"SET memory_limit = '{int(mb)}MB'")
+    try:
+        yield
+    finally:
+        con.execute(f"SET memory_limit = '{before}'")
 
 
 def _threaded(gen: Iterator[_Batch]) -> Iterator[_Batch]:
@@ -645,8 +670,9 @@ def ingest_paths(
     files = _expand_paths(list(paths))
     summary = IngestSummary()
     committer = _Committer(cfg, store, artifacts, summary, correlation_id)
-    for path in files:
-        _ingest_file(cfg, committer, path, fmt, progress)
+    with _duckdb_memory_cap(store, cfg.ingest.duckdb_memory_mb):
+        for path in files:
+            _ingest_file(cfg, committer, path, fmt, progress)
     summary.elapsed_s = round(time.perf_counter() - t0, 3)
     return summary
 
