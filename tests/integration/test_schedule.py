@@ -100,3 +100,19 @@ def test_schedule_without_a_server_fails_clearly(tmp_path, it):
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
     assert "PREFECT_API_URL" in lines[0] and "prefect server start" in lines[0]
+
+
+def test_schedule_to_a_work_pool(prefect_server, env):
+    """``--work-pool``: the same entrypoint deployed for a ``prefect worker`` to run (infra/README.md)."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    with SyncPrefectClient(prefect_server.api_url) as client:
+        client.create_work_pool(WorkPoolCreate(name="flywheel-cpu", type="process"), overwrite=True)
+    made = _json(_cli(["schedule", "--cron", "0 2 * * *", "--work-pool", "flywheel-cpu", "--name", "pool-nightly",
+                       "--json"], env))
+    assert made["work_pool"] == "flywheel-cpu"
+    dep = next(d for d in _deployments(prefect_server.api_url) if d.name == "pool-nightly")
+    assert dep.work_pool_name == "flywheel-cpu"
+    assert dep.entrypoint == "flows/cycle.py:flywheel_cycle"
+    assert [s.schedule.cron for s in dep.schedules] == ["0 2 * * *"]
