@@ -90,12 +90,38 @@ def resolve_policy(cfg: Any, tracker: Any, ref: str | None = None) -> ResolvedPo
         if not v.isdigit():
             raise RolloutError(f"bad model reference {ref!r}: expected model:<name>/<version>")
         version = int(v)
+    if version is not None and cfg.policy.backend == "openai":
+        return _served(cfg, tracker, name, version)
     if version is not None:
         from flywheel.evaluate import load_policy_for_version
 
         pol = load_policy_for_version(cfg, tracker, name, version)
         return ResolvedPolicy(pol, f"model:{name}/{version}", f"model:{name}/{version}")
     return _base(cfg, ref)
+
+
+def _served(cfg: Any, tracker: Any, name: str, version: int) -> ResolvedPolicy:
+    """``policy.backend = "openai"``: sample from the OpenAI-compatible server at ``policy.base_url``
+    (vLLM in the team deployment). The champion is the served model ``<name>``; any other version must
+    be a LoRA adapter, hot-loaded as ``<name>-<version>`` through the runtime adapter endpoint."""
+    import os
+
+    from flywheel.policy.openai_http import OpenAIPolicy
+
+    if not cfg.policy.base_url:
+        raise RolloutError("policy.backend is 'openai' but policy.base_url is not set")
+    pol = OpenAIPolicy(cfg.policy.base_url, model=name, api_key=os.environ.get(cfg.policy.api_key_env),
+                       max_concurrency=cfg.policy.max_concurrency, timeout_s=cfg.policy.request_timeout_s)
+    ref = f"model:{name}/{version}"
+    if tracker.get_alias_version(name, "champion") == version:
+        return ResolvedPolicy(pol, ref, ref)
+    directory = tracker.model_dir(name, version)
+    if not (directory / "adapter_config.json").exists():
+        raise RolloutError(f"{ref} is a full model: serve it with the OpenAI-compatible server first "
+                           f"(infra/vllm/README.md), or use policy.backend = 'hf'")
+    adapter = f"{name}-{version}"
+    pol.load_lora_adapter(adapter, str(directory))
+    return ResolvedPolicy(pol.for_model(adapter), ref, ref)
 
 
 def _base(cfg: Any, spec: str | None = None) -> ResolvedPolicy:

@@ -218,7 +218,12 @@ class Tracker:
         dest = self.cfg.models_dir / "registry" / name / str(version)
         if not dest.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
+            import shutil
+
             tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-            mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=self.tracking_uri)
-            os.replace(tmp, dest)
+            tmp.mkdir(parents=True, exist_ok=True)
+            # download_artifacts puts the files under <dst>/<last path component> and returns that path.
+            got = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=self.tracking_uri)
+            os.replace(got, dest)
+            shutil.rmtree(tmp, ignore_errors=True)
         return dest

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 out = Console()
 
 JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout (for scripts).")

@@ -34,8 +34,12 @@ def _prefect_env(cfg) -> None:
     prefect is imported (its settings are read at import)."""
     from flywheel.flows.cycle_env import prefect_environment
 
-    for k, v in prefect_environment(cfg.home).items():
+    env = prefect_environment(cfg.home)
+    for k, v in env.items():
         os.environ.setdefault(k, v)
+    for k in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH"):
+        if k in env:
+            Path(os.environ[k]).mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
 class StageDisplay:
