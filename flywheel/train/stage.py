@@ -179,6 +179,8 @@ def _train_and_register(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         tracker.set_alias(name, "challenger", version)
+        # The run produced the training run entity and the registered version.
+        run.set_tags({"flywheel.produces": f"{run_id},model:{name}/{version}", "flywheel.model": f"model:{name}/{version}"})
     model_ent = f"model:{name}/{version}"
     store.append(run_id, NewEvent("training.completed", {
         "entity_id": run_id, "mlflow_run_id": run.run_id, "mode": mode, "objective": options.objective,
