@@ -35,7 +35,12 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
+    import os
     import sys
+
+    # flywheel shows its own progress (rich); the libraries' tqdm bars would interleave with it.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
     if "--json" in sys.argv[1:]:
         from flywheel.cli.common import reserve_stdout_for_json
