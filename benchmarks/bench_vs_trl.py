@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_vs_trl.py --quick   # 4 prompts x 2 generations x 32 tokens, 2 timed steps
     .venv/bin/python benchmarks/bench_vs_trl.py           # 8 prompts x 4 generations x 64 tokens, 3 timed steps
     options: --lora-r 16 (LoRA on all linear layers; default 0 = full fine-tuning), --prompt-style tools,
-             --gradient-checkpointing, --home DIR, --json OUT
+             --gradient-checkpointing, --repeats N (alternating fresh runs, pooled), --home DIR, --json OUT
 
 Peer: ``trl.GRPOTrainer`` (trl 1.16), the trainer users would pick instead. Target (issue 9): flywheel
 >= 1.5x TRL's tokens/s and <= 0.7x its peak RSS.
@@ -459,6 +459,21 @@ def run_side(kind: str, spec: BenchSpec, data: str, out: str, timeout_s: float) 
     return res
 
 
+def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several fresh-process runs of one side -> one row: step times pooled, peaks the maximum."""
+    row = dict(runs[0])
+    if len(runs) == 1:
+        return row
+    times = [t for r in runs for t in r["step_seconds"]]
+    med, mean = statistics.median(times), statistics.fmean(times)
+    row.update(step_seconds=times, median_s_per_step=med, mean_s_per_step=mean,
+               tokens_per_s=row["tokens_per_step"] / med, tokens_per_s_mean=row["tokens_per_step"] / mean,
+               train_peak_rss_gb=max(r["train_peak_rss_gb"] for r in runs),
+               process_peak_rss_gb=max(r["process_peak_rss_gb"] for r in runs),
+               generation_s_excluded=sum(r.get("generation_s_excluded", 0.0) for r in runs))
+    return row
+
+
 def _fmt_load() -> str:
     try:
         a, b, c = os.getloadavg()
@@ -530,6 +545,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--completions", choices=("sampled", "random"), default=None)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--gradient-checkpointing", action="store_true", help="on for both sides (default off for both)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="fresh-process runs per side, order alternated; step times pooled (noisy machines)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--child", choices=("prep", *SIDES), default=None, help=argparse.SUPPRESS)
@@ -543,6 +560,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.home is None:
         a.home = os.environ.get("FLYWHEEL_HOME", ".flywheel")
     spec = spec_from_args(a)
+    if a.repeats < 1:
+        ap.error('--repeats must be >= 1')
     print(f"bench_vs_trl: {_fmt_load()} at start (shared machine: timings are noisy)", flush=True)
     print(f"config: {spec.model}, {'full fine-tuning' if spec.lora_r == 0 else f'LoRA r={spec.lora_r}'}, "
           f"{spec.prompts} prompts x {spec.generations} generations x {spec.completion_len} tokens "
@@ -560,14 +579,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rollouts: {ro.n_sequences} sequences, {ro.tokens_per_step} tokens per step "
               f"({ro.completion_tokens_per_step} completion), longest {ro.longest}; prepared in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
-        rows = {}
-        for side in SIDES:  # one heavy child at a time
-            print(f"{side}: starting, {_fmt_load()}", flush=True)
-            rows[side] = run_side(side, spec, data, str(Path(tmp) / f"{side}.json"), a.timeout)
-            r = rows[side]
-            print(f"{side}: {r['tokens_per_s']:.1f} tok/s (median of {len(r['step_seconds'])} steps: "
-                  f"{', '.join(f'{s:.2f}' for s in r['step_seconds'])} s), train peak RSS "
-                  f"{r['train_peak_rss_gb']:.2f} GB, child wall {r['child_wall_s']:.0f} s", flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+        for rep in range(a.repeats):
+            # Alternate the order (A B, B A, ...) so a drift in the machine's load hits both sides alike.
+            for side in (SIDES if rep % 2 == 0 else SIDES[::-1]):  # one heavy child at a time
+                print(f"{side} (run {rep + 1}/{a.repeats}): starting, {_fmt_load()}", flush=True)
+                r = run_side(side, spec, data, str(Path(tmp) / f"{side}-{rep}.json"), a.timeout)
+                runs[side].append(r)
+                print(f"{side}: {r['tokens_per_s']:.1f} tok/s (median of {len(r['step_seconds'])} steps: "
+                      f"{', '.join(f'{s:.2f}' for s in r['step_seconds'])} s), train peak RSS "
+                      f"{r['train_peak_rss_gb']:.2f} GB, child wall {r['child_wall_s']:.0f} s", flush=True)
+        rows = {side: pool_runs(runs[side]) for side in SIDES}
     print(report(spec, rows), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"spec": asdict(spec), "rows": rows, "load_at_end": os.getloadavg()},
