@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -71,6 +72,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         },
     },
 }
+
+
+# Requests the demo gateway keeps in flight; the server merges them into one batched generation.
+TRAFFIC_CONCURRENCY = 8
 
 
 class DemoError(RuntimeError):
@@ -189,40 +194,53 @@ def traffic_items(counts: dict[str, int], *, offset: int = 0) -> list[Any]:
 
 
 def replay_traffic(base_url: str, items: list[Any], out_path: Path, *, model: str, max_tokens: int,
-                   progress: Any = None) -> dict[str, Any]:
+                   concurrency: int = 8, progress: Any = None) -> dict[str, Any]:
     """Send each BFCL question through the OpenAI-compatible server and log it as a gateway would.
 
-    The log is written to a temporary name and renamed when complete, so the ingest stage never sees
-    half a file.
+    ``concurrency`` requests are in flight at once, as production clients would be; the server merges
+    them into batched generation. The log keeps question order and is written to a temporary name and
+    renamed when complete, so the ingest stage never sees half a file.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
     out_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = out_path.with_name(f".{out_path.name}.tmp")
-    n_calls = 0
     t0 = time.perf_counter()
-    with httpx.Client(base_url=base_url, timeout=600.0) as client, open(tmp, "w") as log:
-        for i, item in enumerate(items):
+    done = [0]
+    lock = threading.Lock()
+
+    with httpx.Client(base_url=base_url, timeout=900.0, limits=httpx.Limits(max_connections=concurrency)) as client:
+
+        def ask(item: Any) -> dict[str, Any]:
             body = {"model": model, "messages": item.question_messages, "tools": item.tools,
-                    "temperature": 0.0, "max_tokens": max_tokens, "seed": 0}
+                    "temperature": 0.0, "max_tokens": max_tokens}
             r = client.post("/v1/chat/completions", json=body)
             if r.status_code != 200:
                 raise DemoError(f"the server refused question {item.id}: HTTP {r.status_code} {r.text[:300]}")
             msg = r.json()["choices"][0]["message"]
-            n_calls += bool(msg.get("tool_calls"))
-            record = {
+            with lock:
+                done[0] += 1
+                if progress:
+                    progress(done[0], len(items))
+            return {
                 "bfcl_id": item.id,
                 "category": item.id.rsplit("_", 1)[0],
                 "answer": msg.get("content") or "",
                 "model": model,
                 "timestamp": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-                "metadata": {"gateway": "flywheel-demo", "served_by": base_url},
+                "metadata": {"gateway": "flywheel-demo", "served_by": base_url, "tool_calls": bool(msg.get("tool_calls"))},
             }
+
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            records = list(pool.map(ask, items))
+    with open(tmp, "w") as log:
+        for record in records:
             log.write(json.dumps(record, ensure_ascii=False) + "\n")
-            if progress:
-                progress(i + 1, len(items))
         log.flush()
         os.fsync(log.fileno())
     os.replace(tmp, out_path)
+    n_calls = sum(r["metadata"]["tool_calls"] for r in records)
     return {"requests": len(items), "answers_with_tool_calls": n_calls, "log": str(out_path),
-            "wall_s": round(time.perf_counter() - t0, 1)}
+            "concurrency": concurrency, "wall_s": round(time.perf_counter() - t0, 1)}

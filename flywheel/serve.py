@@ -220,6 +220,21 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
     inflight = {"n": 0}
     inflight_lock = threading.Lock()
     app.state.adapters = adapters
+    # Concurrent requests to the same policy are merged into one batched generate call (see
+    # flywheel.policy.batching); keyed by the policy object so a hot swap gets a fresh batcher.
+    import weakref
+
+    from flywheel.policy.batching import BatchingPolicy
+
+    batchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    batchers_lock = threading.Lock()
+
+    def batcher(policy: Any) -> Any:
+        with batchers_lock:
+            b = batchers.get(policy)
+            if b is None:
+                b = batchers[policy] = BatchingPolicy(policy, max_prompts=max(lim.max_concurrency, 1))
+            return b
 
     def err(e: _ApiError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
@@ -320,7 +335,7 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
         with slot():
             try:
                 groups = await run_in_threadpool(
-                    policy.generate, [req["messages"]], req["params"], tools=[req["tools"] or []]
+                    batcher(policy).generate, [req["messages"]], req["params"], tools=[req["tools"] or []]
                 )
             except ValueError as e:  # prompt too long, bad message shape
                 raise _ApiError(400, str(e), param="messages") from None

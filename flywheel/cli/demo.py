@@ -72,6 +72,7 @@ def demo(
     env = {k: v for k, v in os.environ.items() if k.startswith(("PREFECT_", "FLYWHEEL_"))}
     for k, v in overrides.get("policy", {}).items():
         env[f"FLYWHEEL_POLICY__{k.upper()}"] = str(v)
+    env["FLYWHEEL_SERVE__MAX_CONCURRENCY"] = str(d.TRAFFIC_CONCURRENCY)
     server = d.ServerProcess(cfg.home, config, env)
     say(f"2/4 serving {champion_before} at {server.url}/v1 and replaying {len(items)} BFCL questions as production traffic …")
     try:
@@ -84,6 +85,7 @@ def demo(
             traffic = d.replay_traffic(
                 server.url, items, Path(cfg.home) / "inbox" / f"bfcl-traffic-{stamp}.jsonl",
                 model=cfg.cycle.model_name, max_tokens=d.PROFILES[profile]["traffic_max_tokens"],
+                concurrency=d.TRAFFIC_CONCURRENCY,
                 progress=lambda i, n: bar.update(task, completed=i, rate=f"{i / max(time.perf_counter() - t1, 1e-9):.2f} req/s"),
             )
     finally:

@@ -1,0 +1,103 @@
+"""Request batching for a policy served to concurrent clients.
+
+``flywheel serve`` gets one chat request per HTTP call, but a CPU or GPU decodes eight prompts in one
+batch almost as fast as one (measured with SmolLM2-135M on 2 CPU cores: 8 prompts x 48 tokens batched
+took ~3x the time of one, not 8x). :class:`BatchingPolicy` merges the ``generate`` calls that arrive
+while a batch is running (or within ``window_s`` of each other) into one call of the wrapped policy.
+
+Guarantees
+- Only calls with identical sampling parameters are merged, and only when the result cannot depend
+  on the batch: greedy decoding (``temperature == 0``), or sampling without a seed. A seeded sampling
+  call runs alone, so ``seed`` keeps its reproducibility promise.
+- Results are returned to each caller in its own prompt order; an exception in a merged call is
+  raised in every caller of that batch.
+- At most ``max_prompts`` prompts per merged call (memory is bounded by what the wrapped policy gets).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class _Pending:
+    prompts: list[list[dict]]
+    tools: list[list[dict]]
+    params: Any
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class BatchingPolicy:
+    """Wraps a policy; ``generate`` may be called from many threads at once."""
+
+    def __init__(self, policy: Any, *, max_prompts: int = 16, window_s: float = 0.02):
+        self.policy = policy
+        self.max_prompts = max_prompts
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._pending: list[_Pending] = []
+        self._leader = False
+        self.calls = 0  # merged calls made to the wrapped policy (for tests and stats)
+
+    def __getattr__(self, name: str) -> Any:  # name, version, tokenizer, adapters ... of the wrapped policy
+        return getattr(self.policy, name)
+
+    @staticmethod
+    def _mergeable(params: Any) -> bool:
+        return getattr(params, "temperature", 1.0) == 0.0 or getattr(params, "seed", None) is None
+
+    def generate(self, prompts: list[list[dict]], params: Any = None, *, tools: Any = None) -> list[list[Any]]:
+        from flywheel.policy.base import coerce_params, per_prompt_tools
+
+        params = coerce_params(params)
+        tools_pp = per_prompt_tools(tools, len(prompts))
+        if not self._mergeable(params):
+            return self.policy.generate(prompts, params, tools=tools_pp)
+        me = _Pending(list(prompts), tools_pp, params)
+        with self._lock:
+            self._pending.append(me)
+            lead = not self._leader
+            if lead:
+                self._leader = True
+        if lead:
+            self._lead()
+        me.done.wait()
+        if me.error is not None:
+            raise me.error
+        return me.result
+
+    def _lead(self) -> None:
+        time.sleep(self.window_s)  # let concurrent callers join the first batch
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._leader = False
+                    return
+                first = self._pending[0]
+                batch, rest, n = [], [], 0
+                for p in self._pending:
+                    if p.params == first.params and n + len(p.prompts) <= max(self.max_prompts, len(first.prompts)):
+                        batch.append(p)
+                        n += len(p.prompts)
+                    else:
+                        rest.append(p)
+                self._pending = rest
+            prompts = [q for p in batch for q in p.prompts]
+            tools = [t for p in batch for t in p.tools]
+            try:
+                self.calls += 1
+                out = self.policy.generate(prompts, first.params, tools=tools)
+                i = 0
+                for p in batch:
+                    p.result = out[i : i + len(p.prompts)]
+                    i += len(p.prompts)
+            except BaseException as e:  # noqa: BLE001 - delivered to every caller of this batch
+                for p in batch:
+                    p.error = e
+            for p in batch:
+                p.done.set()

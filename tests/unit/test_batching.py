@@ -1,0 +1,89 @@
+"""BatchingPolicy: concurrent generate calls merged into one batched call, only when safe."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flywheel.policy.base import Sample, SamplingParams
+from flywheel.policy.batching import BatchingPolicy
+
+
+class Echo:
+    """Answers each prompt with its own user text; records the batch sizes it was called with."""
+
+    name, version = "echo", "0"
+
+    def __init__(self, delay: float = 0.05, fail_on: str | None = None):
+        self.batches: list[int] = []
+        self.delay, self.fail_on = delay, fail_on
+        self.lock = threading.Lock()
+
+    def generate(self, prompts, params=None, *, tools=None):
+        with self.lock:  # like HFPolicy: one generation at a time
+            self.batches.append(len(prompts))
+            time.sleep(self.delay)
+            if self.fail_on and any(p[-1]["content"] == self.fail_on for p in prompts):
+                raise ValueError("prompt too long")
+            return [[Sample(text=p[-1]["content"], prompt_token_ids=[1], completion_token_ids=[2], logprobs=[-0.1],
+                            finish_reason="stop", truncated=False, gen_ms=1.0)] * params.n for p in prompts]
+
+
+def _call_concurrently(policy, texts, params):
+    out, errors = {}, {}
+
+    def run(t):
+        try:
+            out[t] = policy.generate([[{"role": "user", "content": t}]], params)[0][0].text
+        except Exception as e:  # noqa: BLE001
+            errors[t] = e
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in texts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    return out, errors
+
+
+def test_concurrent_greedy_calls_are_merged_and_answered_in_order():
+    inner = Echo()
+    b = BatchingPolicy(inner, max_prompts=8, window_s=0.05)
+    texts = [f"q{i}" for i in range(8)]
+    out, errors = _call_concurrently(b, texts, SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert not errors and out == {t: t for t in texts}  # every caller got its own answer
+    assert sum(inner.batches) == 8 and len(inner.batches) < 8  # fewer calls than requests
+    assert max(inner.batches) <= 8
+
+
+def test_seeded_sampling_is_never_merged():
+    inner = Echo()
+    b = BatchingPolicy(inner, window_s=0.05)
+    out, _ = _call_concurrently(b, ["a", "b", "c"], SamplingParams(temperature=1.0, seed=7))
+    assert out == {"a": "a", "b": "b", "c": "c"}
+    assert inner.batches == [1, 1, 1]  # a seed's reproducibility must not depend on the batch
+
+
+def test_max_prompts_bounds_each_merged_call():
+    inner = Echo()
+    b = BatchingPolicy(inner, max_prompts=3, window_s=0.05)
+    _call_concurrently(b, [f"q{i}" for i in range(7)], SamplingParams(temperature=0.0))
+    assert sum(inner.batches) == 7 and max(inner.batches) <= 3
+
+
+def test_an_error_reaches_every_caller_of_its_batch_and_the_batcher_recovers():
+    inner = Echo(fail_on="bad")
+    b = BatchingPolicy(inner, window_s=0.1)
+    out, errors = _call_concurrently(b, ["bad", "ok"], SamplingParams(temperature=0.0))
+    assert errors and all(isinstance(e, ValueError) for e in errors.values())
+    assert "bad" in errors
+    assert b.generate([[{"role": "user", "content": "later"}]], SamplingParams(temperature=0.0))[0][0].text == "later"
+
+
+def test_wrapped_attributes_pass_through():
+    b = BatchingPolicy(Echo())
+    assert b.name == "echo" and b.version == "0"
+    with pytest.raises(AttributeError):
+        _ = b.no_such_attribute
