@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import typer
@@ -49,9 +50,11 @@ class StageDisplay:
         self.enabled = enabled
         self.rows: dict[str, str] = {}
         self.live = None
+        self._last_key: tuple[str, str] | None = None
+        self._last_print = 0.0
 
     def __enter__(self) -> StageDisplay:
-        if self.enabled:
+        if self.enabled and console.is_terminal:
             from rich.live import Live
 
             self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
@@ -86,8 +89,16 @@ class StageDisplay:
         else:
             text = status + "".join(f", {k} {v}" for k, v in info.items() if k != "status" and v is not None)
         self.rows[stage] = text
-        if self.live is not None:
+        if self.live is not None and console.is_terminal:
             self.live.update(self._render())
+        elif self.enabled:
+            # Not a terminal (CI, a log file): a line when a stage starts or ends, and at most
+            # every 15 s while it runs.
+            now = time.monotonic()
+            key = (stage, status)
+            if key != self._last_key or now - self._last_print >= 15:
+                console.print(f"  {stage}: {text}")
+                self._last_key, self._last_print = key, now
 
 
 def print_cycle_summary(result: dict) -> None:
