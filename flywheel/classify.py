@@ -293,7 +293,9 @@ def classify(trace: dict[str, Any]) -> Classification:
             kinds.add("runtime_exception")
         else:
             kinds.add("test_failure")
-    elif error and _EXCEPTION.search(error):
+    elif error and _EXCEPTION.search(error) and not (problems and not calls):
+        # An answer whose calls did not even parse never ran: an exception named in its error is the
+        # parser's (``SyntaxError`` from a BFCL replay), already counted as ``invalid_json``.
         kinds.add("runtime_exception")
     if negative:
         kinds.add("negative_feedback")

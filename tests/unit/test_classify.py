@@ -76,3 +76,16 @@ def test_identity_normalises_whitespace_and_case_only():
     assert failure_identity(a)[0] != failure_identity(c)[0]
     fid, h = failure_identity(a)
     assert fid == "failure:" + h[:16] and len(h) == 64
+
+
+def test_parser_exception_in_an_unparsed_answer_is_not_a_runtime_exception():
+    # A BFCL replay of a half-written call: the adapter's error names the parser's SyntaxError. Nothing
+    # ran, so the failure is a malformed call, not a runtime exception of the tool.
+    assistant = {"role": "assistant", "content": "[book(people=2, time="}
+    c = classify(_t(assistant, outcome={"status": "failure",
+                                        "error": "not valid Python call syntax (SyntaxError: invalid syntax)"}))
+    assert c.failed and "invalid_json" in c.kinds and "runtime_exception" not in c.kinds
+    # The same error text after a call that parsed and ran is a runtime exception.
+    ran = _call("book", {"people": 2, "time": "19:00"})
+    c2 = classify(_t(ran, outcome={"status": "failure", "error": "ValueError: kitchen closed"}))
+    assert "runtime_exception" in c2.kinds
