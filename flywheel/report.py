@@ -247,7 +247,16 @@ def slice_rows(numbers: dict[str, Any]) -> list[dict[str, Any]]:
         if cp is None:
             cp = round((s.get("champion_rate") or 0) * sn)
         rows.append({"slice": s.get("name") or s.get("slice"), "n": sn, "champion_passed": cp, "challenger_passed": ch})
-    return rows
+    # The overall row, then the largest slices: one-item slices say little and crowd the chart.
+    head, rest = rows[:1], sorted(rows[1:], key=lambda r: (-r["n"], str(r["slice"])))
+    return head + rest[:MAX_SLICES]
+
+
+MAX_SLICES = 12
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 CSS = """
@@ -298,7 +307,7 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
 
     rules_html = "".join(
         f'<tr><td>{esc(r.get("rule"))}</td><td class="{"pass" if r.get("passed") else "fail"}">'
-        f'{"pass" if r.get("passed") else "fail"}</td><td>{esc(r.get("value"))}</td><td>{esc(r.get("threshold"))}</td>'
+        f'{"pass" if r.get("passed") else "fail"}</td><td>{esc(_fmt(r.get("value")))}</td><td>{esc(_fmt(r.get("threshold")))}</td>'
         f'<td>{esc(r.get("reason") or "")}</td></tr>'
         for r in gate.get("rules") or [])
     ci = ""
