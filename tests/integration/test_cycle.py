@@ -3,46 +3,25 @@ model down to the ingested trace ids, a gate decision, and promotion or refusal 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 pytestmark = pytest.mark.slow
 
-TINY = {
-    "policy": {"base_model": "tiny", "device": "cpu", "dtype": "float32"},
-    "rollout": {"group_size": 2, "max_new_tokens": 12, "max_tasks": 6},
-    "train": {"steps": 1, "sft_steps": 2, "batch_size": 4, "lora_r": 4, "micro_batch_tokens": 2048},
-    "synth": {"per_seed": 0},
-    "gate": {"bootstrap_samples": 200, "max_new_tokens": 12, "require_decontaminated": False},
-}
-
-
-def bfcl_traffic(path, n_simple=16, n_multiple=6):
-    """Production traffic as the demo gateway logs it: BFCL questions answered in prose (failures)."""
-    from flywheel.verifiers.bfcl import load_bfcl
-
-    rows = []
-    for cat, n in (("simple_python", n_simple), ("multiple", n_multiple)):
-        for i, item in enumerate(load_bfcl(cat, limit=n)):
-            rows.append({"bfcl_id": item.id, "category": cat, "answer": "I am not sure how to help with that.",
-                         "model": "policy/base", "timestamp": f"2026-11-2{i % 9}T10:{i:02d}:00Z"})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")
-def cycle_run(tmp_path_factory):
+def cycle_run(tmp_path_factory, it):
+    """One tiny-model cycle on BFCL traffic answered in prose (settings and traffic from conftest)."""
     from flywheel.flows.cycle import run_cycle
 
     from flywheel.config import load_config
 
     root = tmp_path_factory.mktemp("cycle")
     home = root / "home"
-    traffic = bfcl_traffic(root / "traffic.jsonl")
-    cfg = load_config(overrides={"home": str(home), **TINY}, environ={})
+    traffic = it.bfcl_traffic(root / "traffic.jsonl")
+    cfg = load_config(overrides={"home": str(home), **it.TINY}, environ={})
     stages = []
-    result = run_cycle(cfg, traces=[str(traffic)], overrides={**TINY}, on_progress=lambda s, i: stages.append(s))
+    result = run_cycle(cfg, traces=[str(traffic)], overrides={**it.TINY}, on_progress=lambda s, i: stages.append(s))
     return cfg, result, traffic, stages
 
 
@@ -95,7 +74,7 @@ def test_gate_decision_and_deployment_agree(cycle_run):
         assert champion != gate["challenger_version"]
 
 
-def test_second_cycle_without_new_failures_ends_early(cycle_run):
+def test_second_cycle_without_new_failures_ends_early(cycle_run, it):
     from flywheel.flows.cycle import run_cycle
 
     from flywheel.store import open_store
@@ -103,7 +82,7 @@ def test_second_cycle_without_new_failures_ends_early(cycle_run):
     cfg, _, traffic, _ = cycle_run
     with open_store(cfg) as store:
         before = store.last_seq()
-    again = run_cycle(cfg, traces=[str(traffic)], overrides={**TINY})
+    again = run_cycle(cfg, traces=[str(traffic)], overrides={**it.TINY})
     assert again["outcome"] == "nothing_new" and "no new failures" in again["reason"]
     with open_store(cfg) as store:
         new = store.read(after_seq=before)
