@@ -48,9 +48,10 @@ def load(home: str | None = None, config: str | None = None, overrides: dict[str
 def _known_errors() -> tuple[type[BaseException], ...]:
     from flywheel.artifacts import ArtifactError
     from flywheel.config import ConfigError
+    from flywheel.lineage import LineageError
     from flywheel.store import StoreError
 
-    return (CliError, ConfigError, StoreError, ArtifactError, FileNotFoundError, PermissionError)
+    return (CliError, ConfigError, StoreError, ArtifactError, LineageError, FileNotFoundError, PermissionError)
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

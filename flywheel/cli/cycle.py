@@ -215,21 +215,20 @@ def trace(
     as_json: bool = JsonOpt,
 ) -> None:
     """Trace a model back to what made it: run -> rollouts -> envs -> synth/evals -> failures -> traces."""
-    from flywheel.lineage import LineageError, mermaid, render_tree, resolve_ref, traces_of, tree
+    import sys
+
+    from flywheel.lineage import mermaid, render_tree, resolve_ref, traces_of, tree
     from flywheel.store import open_store
     from flywheel.tracking import Tracker
 
     cfg = load(home, config)
     with open_store(cfg) as store:
-        try:
-            root = resolve_ref(store, Tracker(cfg), ref, cfg.cycle.model_name)
-        except LineageError as e:
-            raise CliError(str(e)) from None
+        root = resolve_ref(store, Tracker(cfg), ref, cfg.cycle.model_name)
         if as_json:
             emit_json({"root": root, "tree": tree(store, root).to_dict(), "traces": traces_of(store, root)})
             return
         if fmt == "mermaid":
-            out.print(mermaid(store, root), markup=False, highlight=False)
+            sys.stdout.write(mermaid(store, root))  # unwrapped: it is pasted into docs
             return
         if fmt != "tree":
             raise CliError("--format must be tree or mermaid")
@@ -247,16 +246,13 @@ def impact(
     as_json: bool = JsonOpt,
 ) -> None:
     """Every eval, dataset, model and deployment that descends from a trace."""
-    from flywheel.lineage import LineageError, resolve_ref
     from flywheel.lineage import impact as impact_of
+    from flywheel.lineage import resolve_ref
     from flywheel.store import open_store
 
     cfg = load(home, config)
     with open_store(cfg) as store:
-        try:
-            root = resolve_ref(store, None, ref, cfg.cycle.model_name)
-        except LineageError as e:
-            raise CliError(str(e)) from None
+        root = resolve_ref(store, None, ref, cfg.cycle.model_name)
         data = impact_of(store, root)
     if as_json:
         emit_json({"root": root, "impact": data})
