@@ -53,17 +53,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from flywheel.classify import FAILURE_KINDS, classify, failure_identity, last_assistant_index
+from flywheel.classify import FAILURE_KINDS
 from flywheel.ingest import formats
+from flywheel.ingest.prepare import Batch, Preparer
 from flywheel.ingest.reader import Line, iter_lines, open_binary, open_source
-from flywheel.ingest.validate import Limits, validate
-from flywheel.redact import Redactor
+from flywheel.ingest.worker import ParallelBatches
 from flywheel.store import BATCH_SCHEMA, canonical_json
 
 MAX_TRACE_IDS = 100
+# Files at least this large are prepared in a worker process (flywheel.ingest.worker) instead of a
+# thread. Starting it costs ~0.7 s of CPU (interpreter + imports) on the other core and only pays
+# off from the second batch on (the first batch is prepared while the commit waits either way):
+# 32 MiB is ~30,000 traces of ~1 KB, ~1 s of preparation.
+PROCESS_MIN_BYTES = 32 * 1024 * 1024
+# Preparation processes per file (0: the thread path for every file). OpenAI-format files are split
+# between them by batch number; OTel and BFCL files use one (OTel traces span lines).
+PROCESS_WORKERS = 2
 SUFFIXES = (".jsonl", ".ndjson", ".json", ".gz", ".jsonl.gz")
 
 TRACE_SCHEMA = pa.schema(
@@ -132,218 +142,6 @@ class IngestSummary:
         d = asdict(self)
         d["quarantined"] = self.quarantined
         return d
-
-
-# -- per-record preparation (runs in the parser thread) -------------------------------------------
-@dataclass
-class _Batch:
-    no: int
-    trace_ids: list[str] = field(default_factory=list)
-    recs: list[dict[str, Any]] = field(default_factory=list)  # redacted traces (first of each failure)
-    first_of: dict[str, int] = field(default_factory=dict)  # failure id -> index of its kept trace
-    status: list[str] = field(default_factory=list)
-    kinds: list[list[str]] = field(default_factory=list)
-    failure_ids: list[str | None] = field(default_factory=list)
-    content_hashes: list[str | None] = field(default_factory=list)
-    details: list[list[str] | None] = field(default_factory=list)
-    timestamps: list[str] = field(default_factory=list)
-    epochs: list[float] = field(default_factory=list)
-    models: list[str] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)
-    source_ids: list[str | None] = field(default_factory=list)
-    n_messages: list[int] = field(default_factory=list)
-    roles: list[str] = field(default_factory=list)
-    trace_json: list[str] = field(default_factory=list)
-    lines: list[int] = field(default_factory=list)
-    quarantine: list[dict[str, Any]] = field(default_factory=list)
-    read: int = 0
-    in_batch_duplicates: int = 0
-    bytes_done: int = 0
-    redactions: Counter[str] = field(default_factory=Counter)
-
-    def __len__(self) -> int:
-        return len(self.trace_ids)
-
-
-class _Preparer:
-    """Turns lines into prepared batches. Holds no store state (it runs off the main thread)."""
-
-    def __init__(self, cfg: Any, fmt: str, file_name: str, file_sha: str):
-        self.icfg = cfg.ingest
-        self.redactor = Redactor.from_config(cfg.ingest)
-        self.limits = Limits.from_config(cfg.ingest)
-        self.fmt = fmt
-        self.file_name = file_name
-        self.file_sha = file_sha
-        self.bfcl = formats.BfclAdapter() if fmt == "bfcl" else None
-        self.content_counts: Counter[str] = Counter()  # content-derived, for ingest.completed
-        self.kind_counts: Counter[str] = Counter()
-        self.records = 0
-        self.lines = 0
-        self.cut: str | None = None
-        # OTel assembly state
-        self._open: dict[str, dict[str, Any]] = {}
-        self._closed: set[str] = set()
-
-    # quarantine ---------------------------------------------------------------------------------
-    def _quarantine(self, b: _Batch, line: Line, reason: str, detail: str, replayable: bool = True) -> None:
-        raw = line.data.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
-        raw = self.redactor.text(raw)
-        detail = self.redactor.text(detail)
-        b.quarantine.append({
-            "file": self.file_name, "file_sha256": self.file_sha, "line": line.lineno, "format": self.fmt,
-            "reason": reason, "detail": detail[:1000], "raw": raw, "raw_bytes": line.oversize or len(line.data),
-            "replayable": replayable,
-        })
-        self.content_counts[reason] += 1
-
-    # records --------------------------------------------------------------------------------------
-    def _accept(self, b: _Batch, line: Line, rec: Any, needs_redaction: bool, seen: set[str]) -> None:
-        prob, dt = validate(rec, self.limits)
-        if prob:
-            self._quarantine(b, line, prob[0], prob[1])
-            return
-        if self.redactor.enabled and needs_redaction:
-            before = dict(self.redactor.counts)
-            original_id = rec["trace_id"]
-            rec = self.redactor.trace(rec)
-            if rec["trace_id"] != original_id:
-                # An id that itself carries PII is replaced by a stable pseudonym.
-                rec["trace_id"] = "redacted-" + hashlib.sha256(original_id.encode()).hexdigest()[:16]
-            for k, v in self.redactor.counts.items():
-                if v != before.get(k, 0):
-                    b.redactions[k] += v - before.get(k, 0)
-        tid = rec["trace_id"]
-        self.records += 1
-        if tid in seen:
-            b.in_batch_duplicates += 1
-            return
-        seen.add(tid)
-        cls = classify(rec)
-        fid = chash = None
-        if cls.failed:
-            fid, chash = failure_identity(rec)
-            for k in cls.kinds:
-                self.kind_counts[k] += 1
-        msgs = rec["messages"]
-        b.trace_ids.append(tid)
-        # Only the first trace of each failure in the batch is needed (for a new failure's payload).
-        keep_rec = cls.failed and fid not in b.first_of
-        if keep_rec:
-            b.first_of[fid] = len(b.trace_ids) - 1  # type: ignore[index]
-        b.recs.append(rec if keep_rec else None)  # type: ignore[arg-type]
-        b.status.append("failure" if cls.failed else "success")
-        b.kinds.append(cls.kinds)
-        b.failure_ids.append(fid)
-        b.content_hashes.append(chash)
-        b.details.append(cls.details if cls.failed else None)
-        b.timestamps.append(dt.isoformat().replace("+00:00", "Z"))
-        b.epochs.append(dt.timestamp())
-        b.models.append(rec["model"])
-        b.sources.append(rec.get("source") or "openai")
-        b.source_ids.append(rec.get("source_id"))
-        b.n_messages.append(len(msgs))
-        b.roles.append(",".join(m["role"] for m in msgs))
-        b.trace_json.append(orjson.dumps(rec, option=orjson.OPT_SORT_KEYS).decode())
-        b.lines.append(line.lineno)
-
-    def _otel_line(self, b: _Batch, line: Line, obj: Any, seen: set[str]) -> None:
-        if not isinstance(obj, dict) or "resourceSpans" not in obj:
-            self._quarantine(b, line, "schema", "an OTel line must be an OTLP/JSON export request with 'resourceSpans'")
-            return
-        touched: list[str] = []
-        n = 0
-        for tid, sp, res in formats.otel_spans(obj):
-            n += 1
-            if tid in self._closed:
-                self._quarantine(b, line, "otel_late_span", f"span of trace {tid} after its root span was read")
-                continue
-            st = self._open.setdefault(tid, {"spans": [], "line": line, "root": False})
-            st["spans"].append((sp, res))
-            if not sp.get("parentSpanId"):
-                st["root"] = True
-            touched.append(tid)
-        if n == 0:
-            self._quarantine(b, line, "otel_no_spans", "no spans with a traceId in this export request")
-        for tid in dict.fromkeys(touched):
-            st = self._open.get(tid)
-            if st and st["root"]:
-                self._emit_otel(b, tid, seen)
-
-    def _emit_otel(self, b: _Batch, tid: str, seen: set[str]) -> None:
-        st = self._open.pop(tid)
-        self._closed.add(tid)
-        b.read += 1
-        rec, prob = formats.otel_to_trace(tid, st["spans"])
-        line = st["line"]
-        if prob:
-            self._quarantine(b, line, prob[0], prob[1])
-            return
-        self._accept(b, line, rec, True, seen)
-
-    def batches(self, lines: Iterator[Line], pos: Callable[[], int]) -> Iterator[_Batch]:
-        size = self.icfg.batch_size
-        no = 0
-        chunk: list[Line] = []
-        end: Line | None = None
-        for line in lines:
-            if line.error:
-                end = line
-                break
-            self.lines = line.lineno
-            if line.lineno == 1 and line.data.startswith(b"\xef\xbb\xbf"):
-                line = Line(1, line.data[3:], line.oversize)
-            if line.oversize or line.data.strip():
-                chunk.append(line)
-            if len(chunk) >= size:
-                yield self._process(no, chunk, None, pos)
-                no += 1
-                chunk = []
-        yield self._process(no, chunk, end, pos, last=True)
-
-    def _process(self, no: int, chunk: list[Line], end: Line | None, pos: Callable[[], int], last: bool = False) -> _Batch:
-        b = _Batch(no)
-        seen: set[str] = set()
-        needs: list[bool] | None = None
-        if self.fmt == "openai" and chunk:
-            needs = self.redactor.lines_need_redaction([ln.data for ln in chunk])
-        for i, line in enumerate(chunk):
-            if line.oversize:
-                b.read += 1
-                self._quarantine(b, line, "line_too_long",
-                                 f"{line.oversize} bytes > ingest.max_line_bytes={self.icfg.max_line_bytes}",
-                                 replayable=False)
-            else:
-                self._record(b, line, seen, True if needs is None else needs[i])
-        if end is not None:
-            self.cut = end.error
-            b.read += 1
-            self._quarantine(b, end, "truncated_file", end.error or "", replayable=False)
-        if last and self._open:  # root-less OTel traces: complete at end of file
-            for tid in list(self._open):
-                self._emit_otel(b, tid, seen)
-        b.bytes_done = pos()
-        return b
-
-    def _record(self, b: _Batch, line: Line, seen: set[str], needs_redaction: bool = True) -> None:
-        obj, prob = formats.parse_json(line.data)
-        if self.fmt != "otel":
-            b.read += 1
-        if prob:
-            if self.fmt == "otel":
-                b.read += 1
-            self._quarantine(b, line, prob[0], prob[1])
-            return
-        if self.fmt == "openai":
-            self._accept(b, line, obj, needs_redaction, seen)
-        elif self.fmt == "bfcl":
-            rec, prob = self.bfcl.to_trace(obj)  # type: ignore[union-attr]
-            if prob:
-                self._quarantine(b, line, prob[0], prob[1])
-            else:
-                self._accept(b, line, rec, True, seen)
-        else:
-            self._otel_line(b, line, obj, seen)
 
 
 # -- the stage ------------------------------------------------------------------------------------
@@ -432,21 +230,12 @@ class _Committer:
         finally:
             con.unregister("_fw_cand")
 
-    def gx(self, b: _Batch, keep: list[int]) -> None:
+    def gx(self, b: Batch, kept: pa.Table) -> None:
         from flywheel.schemas.gx_suites import validate_traces_batch
 
-        if not keep:
+        if not kept.num_rows:
             return
-        import pandas as pd
-
-        df = pd.DataFrame({
-            "trace_id": [b.trace_ids[i] for i in keep],
-            "timestamp_epoch": [b.epochs[i] for i in keep],
-            "n_messages": [b.n_messages[i] for i in keep],
-            "roles": [b.roles[i] for i in keep],
-            "status": [b.status[i] for i in keep],
-            "source": [b.sources[i] for i in keep],
-        })
+        df = kept.select(["trace_id", "timestamp_epoch", "n_messages", "roles", "status", "source"]).to_pandas()
         ok, report = validate_traces_batch(df, self.cfg.ingest)
         if not ok:
             raise IngestRefused(
@@ -456,79 +245,80 @@ class _Committer:
                 report,
             )
 
-    def commit(self, b: _Batch, ingest_id: str, file_sha: str, *, causation: list[str],
+    def commit(self, b: Batch, ingest_id: str, file_sha: str, *, causation: list[str],
                quarantine_stream: str | None, quarantine_payload_extra: dict[str, Any] | None = None) -> None:
+        """Dedup against the store, GX, artifacts, then one ``append_batch``. Column-wise: the only
+        per-row Python loop left here is over the batch's failures."""
         s = self.summary
         s.read += b.read
         s.duplicates += b.in_batch_duplicates
         for k, v in b.redactions.items():
             s.redactions_by_rule[k] = s.redactions_by_rule.get(k, 0) + v
-        streams = [f"trace:{t}" for t in b.trace_ids]
-        existing = {r[0] for r in self._existing("streams", "stream", streams, "stream")}
-        keep = [i for i, st in enumerate(streams) if st not in existing]
-        s.duplicates += len(streams) - len(keep)
-        self.gx(b, keep)
+        tbl = b.table
+        streams = pc.binary_join_element_wise("trace:", tbl.column("trace_id"), "")
+        existing = [r[0] for r in self._existing("streams", "stream", streams, "stream")]
+        if existing:
+            mask = pc.invert(pc.is_in(streams, value_set=pa.array(existing, pa.string())))
+            kept, streams = tbl.filter(mask), streams.filter(mask)
+        else:
+            kept = tbl
+        n = kept.num_rows
+        s.duplicates += tbl.num_rows - n
+        self.gx(b, kept)
+        events: list[pa.Table] = []
+        if n:
+            art = pa.table({c: (pa.array([file_sha] * n, pa.string()) if c == "file_sha256" else kept.column(c))
+                            for c in TRACE_COLUMNS}, schema=TRACE_SCHEMA)
+            ref = self.artifacts.put_table(art)
+            rows = pa.array(np.arange(n, dtype=np.int64)).cast(pa.string())
+            payload = pc.binary_join_element_wise(kept.column("payload_head"), rows, f',"sha256":"{ref.sha256}"',
+                                                  kept.column("payload_tail"), "")
+            events.append(pa.table({
+                "stream": streams, "type": pa.array(["trace.ingested"] * n, pa.string()), "payload": payload,
+                "causation": pa.array([causation] * n, pa.list_(pa.string())),
+            }, schema=BATCH_SCHEMA))
         ev_stream: list[str] = []
         ev_type: list[str] = []
         ev_payload: list[str] = []
         ev_cause: list[list[str]] = []
-        if keep:
-            tbl = pa.table({
-                "trace_id": [b.trace_ids[i] for i in keep],
-                "source": [b.sources[i] for i in keep],
-                "status": [b.status[i] for i in keep],
-                "kinds": [b.kinds[i] for i in keep],
-                "failure_id": [b.failure_ids[i] for i in keep],
-                "timestamp": [b.timestamps[i] for i in keep],
-                "model": [b.models[i] for i in keep],
-                "trace": [b.trace_json[i] for i in keep],
-                "file_sha256": [file_sha] * len(keep),
-                "line": [b.lines[i] for i in keep],
-            }, schema=TRACE_SCHEMA)
-            ref = self.artifacts.put_table(tbl)
-            dumps, opt = orjson.dumps, orjson.OPT_SORT_KEYS
-            for row, i in enumerate(keep):
-                # No floats in this payload, so orjson's sorted output equals store.canonical_json.
-                ev_payload.append(dumps({
-                    "trace_id": b.trace_ids[i], "status": b.status[i], "kinds": b.kinds[i],
-                    "failure_id": b.failure_ids[i], "timestamp": b.timestamps[i], "model": b.models[i],
-                    "source": b.sources[i], "source_id": b.source_ids[i], "n_messages": b.n_messages[i],
-                    "trace": {"sha256": ref.sha256, "row": row},
-                }, option=opt).decode())
-            ev_stream += [streams[i] for i in keep]
-            ev_type += ["trace.ingested"] * len(keep)
-            ev_cause += [causation] * len(keep)
         if b.quarantine and quarantine_stream:
             qt = pa.Table.from_pylist(b.quarantine, schema=QUARANTINE_SCHEMA)
             qref = self.artifacts.put_table(qt)
             by_reason = dict(sorted(Counter(q["reason"] for q in b.quarantine).items()))
-            payload = {
+            qpayload = {
                 "ingest": ingest_id, "file": b.quarantine[0]["file"], "file_sha256": file_sha, "batch": b.no,
                 "records": len(b.quarantine), "by_reason": by_reason,
                 "artifact": {"sha256": qref.sha256, "rows": qt.num_rows},
                 "resolved_lines": [], "remaining": len(b.quarantine),
             }
-            payload.update(quarantine_payload_extra or {})
+            qpayload.update(quarantine_payload_extra or {})
             ev_stream.append(quarantine_stream)
             ev_type.append("trace.quarantined")
-            ev_payload.append(canonical_json(payload))
+            ev_payload.append(canonical_json(qpayload))
             ev_cause.append([ingest_id])
         # failures: group the batch's new failure traces by identity, merge with the stored state
+        fails = kept.filter(pc.is_valid(kept.column("failure_id"))) if n else kept
         groups: dict[str, list[int]] = {}
-        for i in keep:
-            if b.failure_ids[i]:
-                groups.setdefault(b.failure_ids[i], []).append(i)
-        states = {r[0]: orjson.loads(r[1]) for r in self._existing("entities", "entity_id", list(groups), "entity_id, state")}
+        for i, fid in enumerate(fails.column("failure_id").to_pylist()):
+            groups.setdefault(fid, []).append(i)
+        if groups:
+            f_tids = fails.column("trace_id").to_pylist()
+            f_tss = fails.column("timestamp").to_pylist()
+            f_kinds = fails.column("kinds").to_pylist()
+        states = {r[0]: orjson.loads(r[1])
+                  for r in self._existing("entities", "entity_id", list(groups), "entity_id, state")}
         new = upd = 0
         for fid, idxs in groups.items():
-            tids = [b.trace_ids[i] for i in idxs]
-            tss = [b.timestamps[i] for i in idxs]
-            kinds = sorted({k for i in idxs for k in b.kinds[i]}, key=FAILURE_KINDS.index)
+            tids = [f_tids[i] for i in idxs]
+            tss = [f_tss[i] for i in idxs]
+            kinds = sorted({k for i in idxs for k in f_kinds[i]}, key=FAILURE_KINDS.index)
             old = states.get(fid)
             if old is None:
                 # The batch's first trace of this failure carries the content (identical by definition).
-                payload = _failure_payload(b.recs[b.first_of[fid]], fid, b.content_hashes[idxs[0]], kinds, tids, tss,
-                                           b.details[idxs[0]] or [])
+                payload = dict(b.first_payloads[fid])
+                payload.update(kinds=kinds, trace_ids=tids[:MAX_TRACE_IDS],
+                               trace_ids_truncated=len(tids) > MAX_TRACE_IDS, occurrences=len(tids),
+                               first_seen=min(tss), last_seen=max(tss))
                 new += 1
             else:
                 payload = dict(old)
@@ -545,50 +335,21 @@ class _Committer:
             ev_payload.append(canonical_json(payload))
             ev_cause.append([f"trace:{t}" for t in tids])
         if ev_stream:
-            table = pa.table({"stream": ev_stream, "type": ev_type, "payload": ev_payload, "causation": ev_cause},
-                             schema=BATCH_SCHEMA)
+            events.append(pa.table({"stream": ev_stream, "type": ev_type, "payload": ev_payload,
+                                    "causation": ev_cause}, schema=BATCH_SCHEMA))
+        if events:
+            table = events[0] if len(events) == 1 else pa.concat_tables(events)
             res = self.store.append_batch(table, correlation_id=self.correlation_id, validated=True)
             s.events_appended += res.appended
-        s.ingested += len(keep)
-        for i in keep:
-            if b.status[i] == "success":
-                s.successes += 1
-            for k in b.kinds[i]:
-                s.failures_by_kind[k] = s.failures_by_kind.get(k, 0) + 1
+        s.ingested += n
+        if n:
+            s.successes += pc.sum(pc.equal(kept.column("status"), "success")).as_py() or 0
+            for item in pc.value_counts(pc.list_flatten(kept.column("kinds"))).to_pylist():
+                s.failures_by_kind[item["values"]] = s.failures_by_kind.get(item["values"], 0) + item["counts"]
         for q in b.quarantine:
             s.quarantined_by_reason[q["reason"]] = s.quarantined_by_reason.get(q["reason"], 0) + 1
         s.new_failures += new
         s.updated_failures += upd
-
-
-def _failure_payload(rec: dict[str, Any], fid: str, chash: str | None, kinds: list[str], tids: list[str],
-                     tss: list[str], details: list[str]) -> dict[str, Any]:
-    msgs = rec["messages"]
-    idx = last_assistant_index(msgs)
-    outcome = rec["outcome"]
-    return {
-        "entity_id": fid,
-        "kinds": kinds,
-        "trace_ids": tids[:MAX_TRACE_IDS],
-        "trace_ids_truncated": len(tids) > MAX_TRACE_IDS,
-        "occurrences": len(tids),
-        "first_seen": min(tss),
-        "last_seen": max(tss),
-        "tools": rec.get("tools") or [],
-        "messages": msgs[:idx] if idx is not None else msgs,
-        "bad_answer": msgs[idx] if idx is not None else None,
-        "correction": rec.get("correction"),
-        "tests": outcome.get("tests"),
-        "error": outcome.get("error"),
-        "feedback": outcome.get("feedback"),
-        "declared_kind": outcome.get("kind"),
-        "details": details,
-        "model": rec["model"],
-        "source": rec.get("source") or "openai",
-        "source_id": rec.get("source_id"),
-        "content_hash": chash,
-    }
-
 
 @contextmanager
 def _duckdb_memory_cap(store: Any, mb: int) -> Iterator[None]:
@@ -608,7 +369,7 @@ def _duckdb_memory_cap(store: Any, mb: int) -> Iterator[None]:
         con.execute(f"SET memory_limit = '{before}'")
 
 
-def _threaded(gen: Iterator[_Batch]) -> Iterator[_Batch]:
+def _threaded(gen: Iterator[Batch]) -> Iterator[Batch]:
     """Run a batch generator one batch ahead in a daemon thread (exceptions re-raised here)."""
     q: queue.Queue[Any] = queue.Queue(maxsize=1)
     stop = threading.Event()
@@ -693,43 +454,56 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
                 obj[0] if isinstance(obj, list) and obj else obj)
         else:
             fmt = _sniff_format(path, max_line) if size else "openai"
-    prep = _Preparer(cfg, fmt, path.name, sha)
-    stream, raw = open_source(path)
-    if doc is not None:
-        obj, prob = formats.parse_json(doc)
-        if prob is None and isinstance(obj, list):
-            lines: Iterator[Line] = iter([Line(i + 1, orjson.dumps(x)) for i, x in enumerate(obj)])
-        else:
-            lines = iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
-    else:
-        lines = iter_lines(stream, max_line)
-
-    def pos() -> int:
-        try:
-            return min(size, raw.tell())
-        except (OSError, ValueError):
-            return 0
-
     done = 0
-    try:
-        for b in _threaded(prep.batches(lines, pos)):
+
+    def commit_all(batches: Iterator[Batch]) -> None:
+        nonlocal done
+        for b in batches:
             committer.commit(b, ingest_id, sha, causation=[ingest_id],
                              quarantine_stream=f"quarantine:{sha[:16]}-{b.no:05d}")
             done += b.read
             if progress:
                 progress({"file": str(path), "records": done, "bytes_done": b.bytes_done, "bytes_total": size})
-    finally:
-        stream.close()
-        raw.close()
+
+    workers = PROCESS_WORKERS if fmt == "openai" else min(PROCESS_WORKERS, 1)
+    if doc is None and size >= PROCESS_MIN_BYTES and workers:
+        with ParallelBatches(cfg.ingest, fmt, path, path.name, sha, size, workers) as children:
+            commit_all(iter(children))
+        stats = children.stats
+        assert stats is not None  # iteration only ends normally on the child's "done"
+    else:
+        prep = Preparer(cfg.ingest, fmt, path.name, sha)
+        stream, raw = open_source(path)
+        if doc is not None:
+            obj, prob = formats.parse_json(doc)
+            if prob is None and isinstance(obj, list):
+                lines: Iterator[Line] = iter([Line(i + 1, orjson.dumps(x)) for i, x in enumerate(obj)])
+            else:
+                lines = iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
+        else:
+            lines = iter_lines(stream, max_line)
+
+        def pos() -> int:
+            try:
+                return min(size, raw.tell())
+            except (OSError, ValueError):
+                return 0
+
+        try:
+            commit_all(_threaded(prep.batches(lines, pos)))
+        finally:
+            stream.close()
+            raw.close()
+        stats = prep.stats()
     payload = {
-        "entity_id": ingest_id, "file_sha256": sha, "bytes": size, "format": fmt, "lines": prep.lines,
-        "records": prep.records, "quarantined": sum(prep.content_counts.values()),
-        "quarantined_by_reason": dict(sorted(prep.content_counts.items())),
-        "failures_by_kind": dict(sorted(prep.kind_counts.items())), "cut_short": prep.cut,
+        "entity_id": ingest_id, "file_sha256": sha, "bytes": size, "format": fmt, "lines": stats.lines,
+        "records": stats.records, "quarantined": sum(stats.content_counts.values()),
+        "quarantined_by_reason": dict(sorted(stats.content_counts.items())),
+        "failures_by_kind": dict(sorted(stats.kind_counts.items())), "cut_short": stats.cut,
     }
     table = pa.table({"stream": [ingest_id], "type": ["ingest.completed"], "payload": [canonical_json(payload)],
                       "causation": [[]]}, schema=BATCH_SCHEMA)
     res = committer.store.append_batch(table, correlation_id=committer.correlation_id, validated=True)
     committer.summary.events_appended += res.appended
     committer.summary.files.append({"path": str(path), "sha256": sha, "format": fmt, "ingest_id": ingest_id,
-                                    "bytes": size, "cut_short": prep.cut})
+                                    "bytes": size, "cut_short": stats.cut})

@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from flywheel.ingest.pipeline import IngestSummary, _Committer, _Preparer
+from flywheel.ingest.pipeline import IngestSummary, _Committer
+from flywheel.ingest.prepare import Preparer
 from flywheel.ingest.reader import Line
 
 
@@ -82,7 +83,7 @@ def replay_quarantine(cfg: Any, store: Any, artifacts: Any, *, correlation_id: s
         if not rows:
             continue
         fmt = rows[0]["format"]
-        prep = _Preparer(cfg, fmt, st.get("file") or "", st.get("file_sha256") or "")
+        prep = Preparer(cfg.ingest, fmt, st.get("file") or "", st.get("file_sha256") or "")
         lines = iter([Line(r["line"], r["raw"].encode("utf-8", errors="surrogateescape")) for r in rows])
         newly: set[int] = set()
         for b in prep.batches(lines, lambda: 0):

@@ -178,7 +178,7 @@ def test_line_over_max_bytes_empty_file_and_cut_gzip(cfg, store, arts, tmp_path)
 
 
 def test_gx_suite_refuses_a_bad_batch_and_commits_nothing_of_it(cfg, store, arts, tmp_path, monkeypatch):
-    import flywheel.ingest.pipeline as pl
+    import flywheel.ingest.prepare as pl
 
     # Simulate a validator bug letting through a trace the batch suite must catch (an absurd timestamp
     # and message count): the suite is the second line of defence.

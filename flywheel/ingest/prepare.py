@@ -1,0 +1,370 @@
+"""Per-record preparation of an ingest batch: lines -> validated, redacted, classified rows.
+
+Everything here is a pure function of the input lines and the ingest configuration; nothing touches
+the store. That is what lets :mod:`flywheel.ingest.worker` run it in a separate process (the second
+core) while the main process commits the previous batch, and what keeps the thread path (small
+files, quarantine replay) and the process path byte-identical.
+
+A prepared :class:`Batch` is columnar: one Arrow table (:data:`PREPARED_SCHEMA`, one row per trace
+that survived validation and in-batch dedup) plus the few Python objects the commit needs (the
+quarantine rows, the static part of each new failure's payload). Arrow crosses a process boundary
+as a few large buffers instead of ~10^6 small Python objects per batch, and the commit works on
+columns instead of looping over rows.
+
+Cost per record (measured on the issue 3 benchmark workload, 2 cores, gc enabled): parse ~7 µs,
+validation ~6 µs, classification of a failure ~15 µs (a success: < 1 µs), failure identity ~6 µs,
+serialising the redacted trace ~2 µs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+
+from flywheel.classify import classify, failure_identity, last_assistant_index
+from flywheel.ingest import formats
+from flywheel.ingest.reader import Line
+from flywheel.ingest.validate import Limits, validate
+from flywheel.redact import Redactor
+
+# One row per trace that reaches the commit. ``payload_head``/``payload_tail`` are the
+# ``trace.ingested`` event payload (canonical JSON) around the artifact reference, which only the
+# commit knows: payload = head + <row> + ',"sha256":"<artifact>"' + tail.
+PREPARED_SCHEMA = pa.schema(
+    [
+        ("trace_id", pa.string()),
+        ("source", pa.string()),
+        ("status", pa.string()),
+        ("kinds", pa.list_(pa.string())),
+        ("failure_id", pa.string()),
+        ("timestamp", pa.string()),
+        ("model", pa.string()),
+        ("trace", pa.string()),  # canonical JSON of the redacted trace
+        ("line", pa.int64()),
+        ("timestamp_epoch", pa.float64()),
+        ("n_messages", pa.int64()),
+        ("roles", pa.string()),
+        ("payload_head", pa.string()),
+        ("payload_tail", pa.string()),
+    ]
+)
+
+_SORT = orjson.OPT_SORT_KEYS
+_NO_KINDS: list[str] = []
+
+
+@dataclass
+class Batch:
+    """A prepared batch (picklable: it crosses the worker's pipe)."""
+
+    no: int
+    table: pa.Table
+    # failure id -> its payload without the per-occurrence fields (kinds, trace_ids, occurrences,
+    # first/last seen), from the batch's first trace of that failure
+    first_payloads: dict[str, dict[str, Any]] = field(default_factory=dict)
+    quarantine: list[dict[str, Any]] = field(default_factory=list)
+    read: int = 0
+    in_batch_duplicates: int = 0
+    bytes_done: int = 0
+    redactions: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+
+@dataclass
+class PrepStats:
+    """What the ``ingest.completed`` payload needs once a file has been read to its end."""
+
+    records: int = 0
+    lines: int = 0
+    cut: str | None = None
+    content_counts: dict[str, int] = field(default_factory=dict)  # quarantine reasons
+    kind_counts: dict[str, int] = field(default_factory=dict)
+
+
+def failure_static_payload(rec: dict[str, Any], fid: str, chash: str, details: list[str]) -> dict[str, Any]:
+    """The part of a new failure's payload that comes from its first trace."""
+    msgs = rec["messages"]
+    idx = last_assistant_index(msgs)
+    outcome = rec["outcome"]
+    return {
+        "entity_id": fid,
+        "tools": rec.get("tools") or [],
+        "messages": msgs[:idx] if idx is not None else msgs,
+        "bad_answer": msgs[idx] if idx is not None else None,
+        "correction": rec.get("correction"),
+        "tests": outcome.get("tests"),
+        "error": outcome.get("error"),
+        "feedback": outcome.get("feedback"),
+        "declared_kind": outcome.get("kind"),
+        "details": details,
+        "model": rec["model"],
+        "source": rec.get("source") or "openai",
+        "source_id": rec.get("source_id"),
+        "content_hash": chash,
+    }
+
+
+def _utf8_column(xs: list[bytes]) -> pa.Array:
+    """orjson's outputs as one string column: one join and one offsets array instead of a decode and
+    a copy per row (``pa.array(xs, pa.binary()).cast(pa.string())`` measured ~3 µs a row here, a
+    Python ``decode`` ~0.3 µs, this ~0.05 µs). orjson only ever writes valid UTF-8, so the
+    validation of the bytes that a cast would do is skipped."""
+    data = b"".join(xs)
+    if len(data) >= 2**31 - 1:  # beyond 32-bit offsets: let pyarrow chunk or refuse it
+        return pa.array([x.decode() for x in xs], pa.string())
+    offsets = np.zeros(len(xs) + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, xs), dtype=np.int32, count=len(xs)), out=offsets[1:])
+    arr = pa.StringArray.from_buffers(len(xs), pa.py_buffer(offsets), pa.py_buffer(data))
+    arr.validate()
+    return arr
+
+
+class _Rows:
+    """Column lists of one batch under construction."""
+
+    __slots__ = ("trace_id", "source", "status", "kinds", "failure_id", "timestamp", "model", "trace", "line",
+                 "epoch", "n_messages", "roles", "head", "tail")
+
+    def __init__(self) -> None:
+        for s in self.__slots__:
+            setattr(self, s, [])
+
+    def table(self) -> pa.Table:
+        return pa.table([
+            pa.array(self.trace_id, pa.string()), pa.array(self.source, pa.string()),
+            pa.array(self.status, pa.string()), pa.array(self.kinds, pa.list_(pa.string())),
+            pa.array(self.failure_id, pa.string()), pa.array(self.timestamp, pa.string()),
+            pa.array(self.model, pa.string()), _utf8_column(self.trace), pa.array(self.line, pa.int64()),
+            pa.array(self.epoch, pa.float64()), pa.array(self.n_messages, pa.int64()),
+            pa.array(self.roles, pa.string()), _utf8_column(self.head), _utf8_column(self.tail),
+        ], schema=PREPARED_SCHEMA)
+
+
+class Preparer:
+    """Turns lines into prepared batches. Holds no store state (it runs off the main thread, or in
+    the worker process)."""
+
+    def __init__(self, icfg: Any, fmt: str, file_name: str, file_sha: str):
+        self.icfg = icfg
+        self.redactor = Redactor.from_config(icfg)
+        self.limits = Limits.from_config(icfg)
+        self.fmt = fmt
+        self.file_name = file_name
+        self.file_sha = file_sha
+        self.bfcl = formats.BfclAdapter() if fmt == "bfcl" else None
+        self.content_counts: Counter[str] = Counter()  # content-derived, for ingest.completed
+        self.kind_counts: Counter[str] = Counter()
+        self.records = 0
+        self.lines = 0
+        self.cut: str | None = None
+        # OTel assembly state
+        self._open: dict[str, dict[str, Any]] = {}
+        self._closed: set[str] = set()
+        # Per-batch state, set by _process.
+        self._rows = _Rows()
+        self._first: dict[str, dict[str, Any]] = {}
+
+    def stats(self) -> PrepStats:
+        return PrepStats(self.records, self.lines, self.cut, dict(self.content_counts), dict(self.kind_counts))
+
+    # quarantine ---------------------------------------------------------------------------------
+    def _quarantine(self, b: Batch, line: Line, reason: str, detail: str, replayable: bool = True) -> None:
+        raw = line.data.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
+        raw = self.redactor.text(raw)
+        detail = self.redactor.text(detail)
+        b.quarantine.append({
+            "file": self.file_name, "file_sha256": self.file_sha, "line": line.lineno, "format": self.fmt,
+            "reason": reason, "detail": detail[:1000], "raw": raw, "raw_bytes": line.oversize or len(line.data),
+            "replayable": replayable,
+        })
+        self.content_counts[reason] += 1
+
+    # records --------------------------------------------------------------------------------------
+    def _accept(self, b: Batch, line: Line, rec: Any, needs_redaction: bool, seen: set[str]) -> None:
+        prob, dt = validate(rec, self.limits)
+        if prob:
+            self._quarantine(b, line, prob[0], prob[1])
+            return
+        if needs_redaction and self.redactor.enabled:
+            before = dict(self.redactor.counts)
+            original_id = rec["trace_id"]
+            rec = self.redactor.trace(rec)
+            if rec["trace_id"] != original_id:
+                # An id that itself carries PII is replaced by a stable pseudonym.
+                rec["trace_id"] = "redacted-" + hashlib.sha256(original_id.encode()).hexdigest()[:16]
+            for k, v in self.redactor.counts.items():
+                if v != before.get(k, 0):
+                    b.redactions[k] = b.redactions.get(k, 0) + v - before.get(k, 0)
+        tid = rec["trace_id"]
+        self.records += 1
+        if tid in seen:
+            b.in_batch_duplicates += 1
+            return
+        seen.add(tid)
+        cls = classify(rec)
+        if cls.failed:
+            fid, chash = failure_identity(rec)
+            kinds = cls.kinds
+            status = "failure"
+            for k in kinds:
+                self.kind_counts[k] += 1
+            # Only the first trace of each failure in the batch is needed (a new failure's payload).
+            if fid not in self._first:
+                self._first[fid] = failure_static_payload(rec, fid, chash, cls.details)
+        else:
+            fid, kinds, status = None, _NO_KINDS, "success"
+        msgs = rec["messages"]
+        source = rec.get("source") or "openai"
+        model = rec["model"]
+        ts = dt.isoformat().replace("+00:00", "Z")  # type: ignore[union-attr]
+        n_msgs = len(msgs)
+        r = self._rows
+        r.trace_id.append(tid)
+        r.source.append(source)
+        r.status.append(status)
+        r.kinds.append(kinds)
+        r.failure_id.append(fid)
+        r.timestamp.append(ts)
+        r.model.append(model)
+        r.trace.append(orjson.dumps(rec, option=_SORT))
+        r.line.append(line.lineno)
+        r.epoch.append(dt.timestamp())  # type: ignore[union-attr]
+        r.n_messages.append(n_msgs)
+        r.roles.append(",".join([m["role"] for m in msgs]))
+        # The trace.ingested payload, keys in sorted order (it is canonical JSON, so the store's event
+        # id of a re-ingested trace is the same): everything but the artifact reference, which the
+        # commit splices in between head and tail. No floats here, so orjson's output equals
+        # store.canonical_json.
+        head = orjson.dumps({
+            "failure_id": fid, "kinds": kinds, "model": model, "n_messages": n_msgs, "source": source,
+            "source_id": rec.get("source_id"), "status": status, "timestamp": ts,
+        })
+        r.head.append(head[:-1] + b',"trace":{"row":')
+        r.tail.append(b'},"trace_id":' + orjson.dumps(tid) + b"}")
+
+    def _otel_line(self, b: Batch, line: Line, obj: Any, seen: set[str]) -> None:
+        if not isinstance(obj, dict) or "resourceSpans" not in obj:
+            self._quarantine(b, line, "schema", "an OTel line must be an OTLP/JSON export request with 'resourceSpans'")
+            return
+        touched: list[str] = []
+        n = 0
+        for tid, sp, res in formats.otel_spans(obj):
+            n += 1
+            if tid in self._closed:
+                self._quarantine(b, line, "otel_late_span", f"span of trace {tid} after its root span was read")
+                continue
+            st = self._open.setdefault(tid, {"spans": [], "line": line, "root": False})
+            st["spans"].append((sp, res))
+            if not sp.get("parentSpanId"):
+                st["root"] = True
+            touched.append(tid)
+        if n == 0:
+            self._quarantine(b, line, "otel_no_spans", "no spans with a traceId in this export request")
+        for tid in dict.fromkeys(touched):
+            st = self._open.get(tid)
+            if st and st["root"]:
+                self._emit_otel(b, tid, seen)
+
+    def _emit_otel(self, b: Batch, tid: str, seen: set[str]) -> None:
+        st = self._open.pop(tid)
+        self._closed.add(tid)
+        b.read += 1
+        rec, prob = formats.otel_to_trace(tid, st["spans"])
+        line = st["line"]
+        if prob:
+            self._quarantine(b, line, prob[0], prob[1])
+            return
+        self._accept(b, line, rec, True, seen)
+
+    def batches(self, lines: Iterator[Line], pos: Callable[[], int], *, stride: int = 1,
+                offset: int = 0) -> Iterator[Batch]:
+        """Batches of ``batch_size`` non-blank lines, numbered from 0. With ``stride`` > 1 only the
+        batches numbered ``offset`` mod ``stride`` are prepared (the lines of the others are counted,
+        not parsed), so that ``stride`` workers can share one file; their batches interleave back
+        into the single-worker sequence. Only for formats without state across lines (not OTel)."""
+        if stride > 1 and self.fmt == "otel":
+            raise ValueError("OTel traces span lines: one preparer must read the whole file")
+        size = self.icfg.batch_size
+        no = 0
+        chunk: list[Line] = []
+        n_chunk = 0
+        mine = offset == 0
+        end: Line | None = None
+        for line in lines:
+            if line.error:
+                end = line
+                break
+            self.lines = line.lineno
+            if line.lineno == 1 and line.data.startswith(b"\xef\xbb\xbf"):
+                line = Line(1, line.data[3:], line.oversize)
+            if line.oversize or line.data.strip():
+                if mine:
+                    chunk.append(line)
+                n_chunk += 1
+            if n_chunk >= size:
+                if mine:
+                    yield self._process(no, chunk, None, pos)
+                no += 1
+                mine = no % stride == offset
+                chunk = []
+                n_chunk = 0
+        if mine:
+            yield self._process(no, chunk, end, pos, last=True)
+
+    def _process(self, no: int, chunk: list[Line], end: Line | None, pos: Callable[[], int],
+                 last: bool = False) -> Batch:
+        b = Batch(no, PREPARED_SCHEMA.empty_table())
+        self._rows, self._first = _Rows(), {}
+        seen: set[str] = set()
+        needs: list[bool] | None = None
+        if self.fmt == "openai" and chunk:
+            needs = self.redactor.lines_need_redaction([ln.data for ln in chunk])
+        for i, line in enumerate(chunk):
+            if line.oversize:
+                b.read += 1
+                self._quarantine(b, line, "line_too_long",
+                                 f"{line.oversize} bytes > ingest.max_line_bytes={self.icfg.max_line_bytes}",
+                                 replayable=False)
+            else:
+                self._record(b, line, seen, True if needs is None else needs[i])
+        if end is not None:
+            self.cut = end.error
+            b.read += 1
+            self._quarantine(b, end, "truncated_file", end.error or "", replayable=False)
+        if last and self._open:  # root-less OTel traces: complete at end of file
+            for tid in list(self._open):
+                self._emit_otel(b, tid, seen)
+        b.table = self._rows.table()
+        b.first_payloads = self._first
+        self._rows, self._first = _Rows(), {}
+        b.bytes_done = pos()
+        return b
+
+    def _record(self, b: Batch, line: Line, seen: set[str], needs_redaction: bool = True) -> None:
+        obj, prob = formats.parse_json(line.data)
+        if self.fmt != "otel":
+            b.read += 1
+        if prob:
+            if self.fmt == "otel":
+                b.read += 1
+            self._quarantine(b, line, prob[0], prob[1])
+            return
+        if self.fmt == "openai":
+            self._accept(b, line, obj, needs_redaction, seen)
+        elif self.fmt == "bfcl":
+            rec, prob = self.bfcl.to_trace(obj)  # type: ignore[union-attr]
+            if prob:
+                self._quarantine(b, line, prob[0], prob[1])
+            else:
+                self._accept(b, line, rec, True, seen)
+        else:
+            self._otel_line(b, line, obj, seen)
