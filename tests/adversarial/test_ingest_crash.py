@@ -17,7 +17,17 @@ from pathlib import Path
 from flywheel.artifacts import ArtifactStore
 from flywheel.config import load_config
 from flywheel.ingest import ingest_paths
+import flywheel.ingest.pipeline as pl
+import flywheel.ingest.worker as wk
 from flywheel.store import EventStore
+pl.PROCESS_WORKERS = int(sys.argv[3])
+pl.PROCESS_MIN_BYTES = 0
+real_init = wk.ProcessBatches.__init__
+def track(self, *a, **k):
+    real_init(self, *a, **k)
+    with open(sys.argv[1] + ".pids", "a") as f:
+        f.write(f"{self._proc.pid}\n")
+wk.ProcessBatches.__init__ = track
 cfg = load_config(overrides={"home": sys.argv[1], "ingest": {"batch_size": 500}})
 cfg.ensure_home()
 with EventStore(cfg.warehouse) as s:
@@ -26,8 +36,18 @@ print("DONE", r.ingested, r.duplicates, flush=True)
 """
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.slow
-def test_sigkill_then_rerun_is_exactly_once(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2], ids=["thread", "2-worker-processes"])
+def test_sigkill_then_rerun_is_exactly_once(tmp_path, workers):
+    """With worker processes, the killed parent's children must also go (EPIPE on their next write)."""
     n = 12_000
     f = tmp_path / "t.jsonl"
     with open(f, "w") as out:
@@ -39,7 +59,7 @@ def test_sigkill_then_rerun_is_exactly_once(tmp_path):
                 "outcome": {"status": "failure" if fail else "success"}}) + "\n")
     home = tmp_path / "home"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-c", SCRIPT, str(home), str(f)], env=env,
+    p = subprocess.Popen([sys.executable, "-c", SCRIPT, str(home), str(f), str(workers)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     # kill once some batches are committed (the warehouse WAL grows) but before the end
     wal = home / "warehouse.duckdb.wal"
@@ -52,8 +72,15 @@ def test_sigkill_then_rerun_is_exactly_once(tmp_path):
     if killed:
         os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(home), str(f)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    pids_file = tmp_path / "home.pids"
+    pids = [int(x) for x in pids_file.read_text().split()] if pids_file.exists() else []
+    assert len(pids) == workers or not killed
+    deadline = time.time() + 60
+    while any(_alive(x) for x in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(x) for x in pids), "a worker outlived its killed parent"
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(home), str(f), str(workers)], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     from flywheel.store import EventStore
 

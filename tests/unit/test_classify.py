@@ -89,3 +89,40 @@ def test_parser_exception_in_an_unparsed_answer_is_not_a_runtime_exception():
     ran = _call("book", {"people": 2, "time": "19:00"})
     c2 = classify(_t(ran, outcome={"status": "failure", "error": "ValueError: kitchen closed"}))
     assert "runtime_exception" in c2.kinds
+
+
+# -- the fast paths agree with what they skip --------------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+# Texts made of call-like tokens, so the parser's branches (tags, fences, JSON, pythonic, "name":) are hit.
+_CALLISH_TEXT = st.lists(st.sampled_from(list("ab_.=:,'\" \n\t()[]{}<>`12\u00a0\x1e") + [
+    '"name"', "<tool_call>", "</tool_call>", "```", "f(x=1)", '{"name": "f"}', "name:"]), max_size=12).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_CALLISH_TEXT, st.text(max_size=40)))
+def test_could_hold_a_call_is_false_only_when_the_parser_finds_nothing(text):
+    from flywheel.classify import could_hold_a_call
+    from flywheel.verifiers.toolcalls import parse_tool_calls
+
+    if not could_hold_a_call(text):
+        res = parse_tool_calls(text)
+        assert res.calls == [] and res.error is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("aB \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\u00a0\u2028\u3000ß")), max_size=30))
+def test_normalise_text_equals_the_regex_definition(text):
+    import re
+
+    from flywheel.classify import normalise_text
+
+    assert normalise_text(text) == re.sub(r"\s+", " ", text).strip().casefold()
+
+
+def test_prose_answers_with_tools_still_classify_through_the_parser():
+    # "Done!" cannot hold a call (no_tool_call, as before); call-shaped text still goes to the parser.
+    assert classify(CASES["no_tool_call"]).kinds == ["no_tool_call"]
+    c = classify(_t({"role": "assistant", "content": "I will call book(people=2"}))
+    assert c.kinds == ["invalid_json"]

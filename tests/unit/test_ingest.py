@@ -235,3 +235,138 @@ def test_cli_ingest_json_and_quarantine_commands(cfg, tmp_path):
     r = CliRunner().invoke(app, ["ingest", str(tmp_path / "missing.jsonl")])
     assert r.exit_code == 1 and "no such file" in " ".join(r.output.split())
 
+
+
+# -- worker processes ------------------------------------------------------------------------------
+def _mixed_lines() -> list:
+    """Every path a record can take, repeated so that batches of 7 cut through all of them."""
+    kinds = [json.loads(x) for x in (FIX / "kinds.jsonl").read_text().splitlines() if x.strip()]
+    lines: list = [b"\xef\xbb\xbf" + json.dumps(_good("bom-1")).encode()]
+    for i in range(40):
+        k = dict(kinds[i % len(kinds)])
+        k["trace_id"] = f"k-{i}"
+        lines += [k, _good(f"g-{i}"), b""]
+        if i % 5 == 0:
+            lines.append(b'{"trace_id": "cut", "messa')
+        if i % 7 == 0:
+            lines.append(_good(f"g-{i}"))  # duplicate id (in the same batch or a later one)
+        if i % 9 == 0:
+            lines.append(_good(f"pii-{i}", messages=[{"role": "user", "content": "mail jane.doe@example.com"},
+                                                     {"role": "assistant", "content": "ok"}]))
+    return lines
+
+
+def _events(store) -> list[tuple]:
+    return store.con.execute("SELECT stream, type, payload::VARCHAR, causation FROM events ORDER BY seq").fetchall()
+
+
+def test_worker_processes_commit_exactly_what_the_thread_path_commits(cfg, store, arts, tmp_path, monkeypatch):
+    import flywheel.ingest.pipeline as pl
+    from flywheel.config import load_config
+    from flywheel.store import open_store
+
+    cfg.ingest.batch_size = 7
+    f = _write(tmp_path / "mixed.jsonl", _mixed_lines())
+    monkeypatch.setattr(pl, "PROCESS_WORKERS", 0)
+    s_thread = ingest_paths(cfg, store, arts, [f])
+    cfg2 = load_config(overrides={"home": str(tmp_path / "home2"), "ingest": {"batch_size": 7}})
+    cfg2.ensure_home()
+    for workers in (1, 2, 3):
+        cfg2 = load_config(overrides={"home": str(tmp_path / f"home-w{workers}"), "ingest": {"batch_size": 7}})
+        cfg2.ensure_home()
+        monkeypatch.setattr(pl, "PROCESS_WORKERS", workers)
+        monkeypatch.setattr(pl, "PROCESS_MIN_BYTES", 0)
+        store2 = open_store(cfg2)
+        try:
+            s_proc = ingest_paths(cfg2, store2, ArtifactStore(cfg2.artifacts_dir), [f])
+            skip = {"elapsed_s", "files"}
+            assert {k: v for k, v in s_proc.to_dict().items() if k not in skip} == \
+                   {k: v for k, v in s_thread.to_dict().items() if k not in skip}
+            # Same events, byte for byte (payloads name the artifacts by content hash: same artifacts).
+            assert _events(store2) == _events(store)
+            again = ingest_paths(cfg2, store2, ArtifactStore(cfg2.artifacts_dir), [f])
+            assert again.events_appended == 0 and again.duplicates == s_proc.ingested + s_proc.duplicates
+        finally:
+            store2.close()
+    assert s_thread.redactions_by_rule.get("email") and s_thread.quarantined and s_thread.duplicates
+    dump = b"".join(p.read_bytes() for p in Path(cfg.artifacts_dir).rglob("*") if p.is_file())
+    assert b"jane.doe@example.com" not in dump
+
+
+def test_a_worker_killed_mid_file_raises_keeps_committed_batches_and_rerun_is_exactly_once(
+        cfg, store, arts, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    import flywheel.ingest.pipeline as pl
+    import flywheel.ingest.worker as wk
+
+    cfg.ingest.batch_size = 5
+    # ~150 KB per batch: more than the pipe holds (64 KiB), so a killed worker loses a batch in flight.
+    big = [{"role": "user", "content": "x" * 30_000}, {"role": "assistant", "content": "ok"}]
+    lines = [_good(f"w-{i}", messages=big) for i in range(60)]
+    f = _write(tmp_path / "w.jsonl", lines)
+    monkeypatch.setattr(pl, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(pl, "PROCESS_WORKERS", 2)
+    started: list[wk.ProcessBatches] = []
+    real_init = wk.ProcessBatches.__init__
+
+    def track(self, *a, **k):
+        real_init(self, *a, **k)
+        started.append(self)
+
+    monkeypatch.setattr(wk.ProcessBatches, "__init__", track)
+    real_commit = pl._Committer.commit
+    committed: list[int] = []
+
+    def commit_then_kill(self, b, *a, **k):
+        real_commit(self, b, *a, **k)
+        committed.append(b.no)
+        if b.no == 1:
+            os.kill(started[0]._proc.pid, signal.SIGKILL)  # the worker that owns batches 0, 2, 4, ...
+
+    monkeypatch.setattr(pl._Committer, "commit", commit_then_kill)
+    with pytest.raises(wk.WorkerDied, match="re-run the ingest"):
+        ingest_paths(cfg, store, arts, [f])
+    assert committed == [0, 1]
+    assert all(p._proc.poll() is not None for p in started)  # both children reaped, none left behind
+    n_before = store.con.execute("SELECT count(*) FROM events WHERE type = 'trace.ingested'").fetchall()[0][0]
+    assert n_before == 10
+    monkeypatch.setattr(pl._Committer, "commit", real_commit)
+    s = ingest_paths(cfg, store, arts, [f])
+    assert s.ingested == 50 and s.duplicates == 10
+    rows = store.con.execute(
+        "SELECT count(*), count(DISTINCT stream) FROM events WHERE type = 'trace.ingested'").fetchall()[0]
+    assert rows == (60, 60)
+
+
+def test_a_worker_that_fails_reports_its_traceback(cfg, tmp_path):
+    from flywheel.ingest.worker import ProcessBatches, WorkerDied
+
+    missing = tmp_path / "gone.jsonl"
+    with ProcessBatches(cfg.ingest, "openai", missing, missing.name, "0" * 64, 0) as child:
+        with pytest.raises(WorkerDied, match="FileNotFoundError"):
+            list(child)
+
+
+def test_strided_preparers_interleave_into_the_single_preparer_sequence(cfg):
+    from flywheel.ingest.prepare import Preparer
+    from flywheel.ingest.reader import Line
+
+    cfg.ingest.batch_size = 4
+    raw = [json.dumps(x).encode() if not isinstance(x, bytes) else x for x in _mixed_lines()]
+    lines = [Line(i + 1, x) for i, x in enumerate(raw)] + [Line(len(raw) + 1, b"", error="cut short")]
+
+    def run(stride, offset):
+        p = Preparer(cfg.ingest, "openai", "m.jsonl", "0" * 64)
+        return list(p.batches(iter(lines), lambda: 0, stride=stride, offset=offset)), p.stats()
+
+    single, st = run(1, 0)
+    parts = [run(3, o) for o in range(3)]
+    merged = sorted((b for bs, _ in parts for b in bs), key=lambda b: b.no)
+    assert [b.no for b in merged] == [b.no for b in single] == list(range(len(single)))
+    for a, b in zip(single, merged, strict=True):
+        assert a.table.equals(b.table) and a.quarantine == b.quarantine and a.read == b.read
+        assert a.first_payloads == b.first_payloads and a.in_batch_duplicates == b.in_batch_duplicates
+    assert st.records == sum(s.records for _, s in parts) and st.cut == "cut short"
+    assert [s.cut for _, s in parts].count("cut short") == 1 and all(s.lines == st.lines for _, s in parts)
