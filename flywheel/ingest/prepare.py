@@ -329,6 +329,9 @@ class Preparer:
         if self.fmt == "openai" and chunk:
             needs = self.redactor.lines_need_redaction([ln.data for ln in chunk])
         for i, line in enumerate(chunk):
+            # Drop the raw line once read (``chunk`` is the caller's, which discards it next): the batch's
+            # raw text (~50 MB) is freed while its serialised traces accumulate, not held to the end.
+            chunk[i] = None  # type: ignore[call-overload]
             if line.oversize:
                 b.read += 1
                 self._quarantine(b, line, "line_too_long",
