@@ -80,9 +80,12 @@ MAX_TRACE_IDS = 100
 # off from the second batch on (the first batch is prepared while the commit waits either way):
 # 32 MiB is ~30,000 traces of ~1 KB, ~1 s of preparation.
 PROCESS_MIN_BYTES = 32 * 1024 * 1024
-# Preparation processes per file (0: the thread path for every file). OpenAI-format files are split
-# between them by batch number; OTel and BFCL files use one (OTel traces span lines).
-PROCESS_WORKERS = 2
+# Preparation processes per file (0: the thread path for every file). OpenAI-format files can be
+# split between several by batch number; OTel and BFCL files use one (OTel traces span lines).
+# Measured on the 1M-trace benchmark (2 cores, load ~2.5 from other work): 2 workers 14.6k traces/s
+# but 1,157 MB (main) + 2 x 587 MB (workers) peak RSS, over the 2 GB target; 1 worker keeps the sum
+# ~1.75 GB. Raise it where cores and memory allow.
+PROCESS_WORKERS = 1
 SUFFIXES = (".jsonl", ".ndjson", ".json", ".gz", ".jsonl.gz")
 
 TRACE_SCHEMA = pa.schema(
