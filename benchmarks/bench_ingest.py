@@ -169,12 +169,10 @@ def child_flywheel(path: str, home: str) -> None:
         dt = time.perf_counter() - t0
     # Preparation runs in worker processes (flywheel.ingest.worker) that live alongside this one:
     # their peak (the largest of them, from ru_maxrss) counts towards the memory target too.
-    from flywheel.ingest import pipeline
-
     main_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     worker_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(json.dumps({"seconds": dt, "summary": s.to_dict() | {"files": None}, "main_mb": main_mb,
-                      "worker_mb": worker_mb, "workers": pipeline.PROCESS_WORKERS}))
+                      "worker_mb": worker_mb, "workers": cfg.ingest.workers}))
 
 
 def child_naive(path: str, home: str, n: int) -> None:

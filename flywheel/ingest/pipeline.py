@@ -8,19 +8,18 @@ Data flow per file (one pass, bounded memory)::
 
 Preparation (everything before ``[commit]``, :mod:`flywheel.ingest.prepare`) is pure per-record
 Python, ~30 µs a trace, and holds the GIL. Files of at least :data:`PROCESS_MIN_BYTES` are prepared
-in :data:`PROCESS_WORKERS` worker processes (:mod:`flywheel.ingest.worker`; an OpenAI-format file is
+in ``ingest.workers`` worker processes (:mod:`flywheel.ingest.worker`; an OpenAI-format file is
 split between them by batch number, other formats use one), each at most one batch ahead of the
 commit; smaller files (and quarantine replay) use a background thread one batch ahead, which
 overlaps only what releases the GIL (DuckDB, Parquet). Either way a batch reaches the commit as an
-Arrow table, and the commit works column-wise. Measured on 2 cores (issue 3 benchmark, 200k traces):
-thread 4.7k-13k traces/s, processes ~18k, bounded by total CPU (~65 µs a trace, half of it the
-commit's store append and GX).
+Arrow table, and the commit works column-wise. Measured on 2 cores (issue 3 benchmark, 1M traces,
+load ~2 from the benchmark itself): one worker process 21.2k traces/s, peak RSS 1.77 GB (main +
+worker); the thread path 4.7k-13k. Bounded by total CPU (~76 µs a trace over both processes).
 
 Storage choice (payload size matters at 10^6 traces): the redacted trace itself goes into a
 per-batch zstd Parquet artifact (columns :data:`TRACE_COLUMNS`); the ``trace.ingested`` event
-carries a ~300-byte summary plus ``trace: {sha256, row}``. Measured on this machine, the store
-appends ~20-25k events/s with 100-byte payloads and half that with 1 KB payloads, because every
-payload is hashed, JSON-validated and copied into the ``entities`` projection. Use
+carries a ~300-byte summary plus ``trace: {sha256, row}``: the store hashes and JSON-validates every
+payload and writes it twice (WAL, then checkpoint), so its append rate falls with payload size. Use
 :func:`load_traces` to get the full redacted traces back (the evals stage does, for regression evals
 from successes). Failures are the exception: their event payload is self-contained (prompt messages,
 bad answer, tools, correction, tests, error, feedback) because evals compile from it directly.
@@ -80,12 +79,11 @@ MAX_TRACE_IDS = 100
 # off from the second batch on (the first batch is prepared while the commit waits either way):
 # 32 MiB is ~30,000 traces of ~1 KB, ~1 s of preparation.
 PROCESS_MIN_BYTES = 32 * 1024 * 1024
-# Preparation processes per file (0: the thread path for every file). OpenAI-format files can be
-# split between several by batch number; OTel and BFCL files use one (OTel traces span lines).
-# Measured on the 1M-trace benchmark (2 cores, load ~2.5 from other work): 2 workers 14.6k traces/s
-# but 1,157 MB (main) + 2 x 587 MB (workers) peak RSS, over the 2 GB target; 1 worker keeps the sum
-# ~1.75 GB. Raise it where cores and memory allow.
-PROCESS_WORKERS = 1
+# Preparation processes per file come from ``ingest.workers`` (0: the thread path for every file).
+# OpenAI-format files can be split between several by batch number; OTel and BFCL files use one
+# (OTel traces span lines). Measured on the 1M-trace benchmark (2 cores, load ~2.5 from other work):
+# 2 workers 14.6k traces/s but 1,157 MB (main) + 2 x 587 MB (workers) peak RSS, over the 2 GB
+# target; 1 worker (the default) keeps the sum ~1.75 GB. Raise it where cores and memory allow.
 SUFFIXES = (".jsonl", ".ndjson", ".json", ".gz", ".jsonl.gz")
 
 TRACE_SCHEMA = pa.schema(
@@ -477,7 +475,7 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
             if progress:
                 progress({"file": str(path), "records": done, "bytes_done": b.bytes_done, "bytes_total": size})
 
-    workers = PROCESS_WORKERS if fmt == "openai" else min(PROCESS_WORKERS, 1)
+    workers = cfg.ingest.workers if fmt == "openai" else min(cfg.ingest.workers, 1)
     if doc is None and size >= PROCESS_MIN_BYTES and workers:
         with ParallelBatches(cfg.ingest, fmt, path, path.name, sha, size, workers) as children:
             commit_all(iter(children))

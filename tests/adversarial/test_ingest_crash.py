@@ -20,7 +20,6 @@ from flywheel.ingest import ingest_paths
 import flywheel.ingest.pipeline as pl
 import flywheel.ingest.worker as wk
 from flywheel.store import EventStore
-pl.PROCESS_WORKERS = int(sys.argv[3])
 pl.PROCESS_MIN_BYTES = 0
 real_init = wk.ProcessBatches.__init__
 def track(self, *a, **k):
@@ -28,7 +27,7 @@ def track(self, *a, **k):
     with open(sys.argv[1] + ".pids", "a") as f:
         f.write(f"{self._proc.pid}\n")
 wk.ProcessBatches.__init__ = track
-cfg = load_config(overrides={"home": sys.argv[1], "ingest": {"batch_size": 500}})
+cfg = load_config(overrides={"home": sys.argv[1], "ingest": {"batch_size": 500, "workers": int(sys.argv[3])}})
 cfg.ensure_home()
 with EventStore(cfg.warehouse) as s:
     r = ingest_paths(cfg, s, ArtifactStore(cfg.artifacts_dir), [Path(sys.argv[2])])

@@ -267,14 +267,12 @@ def test_worker_processes_commit_exactly_what_the_thread_path_commits(cfg, store
 
     cfg.ingest.batch_size = 7
     f = _write(tmp_path / "mixed.jsonl", _mixed_lines())
-    monkeypatch.setattr(pl, "PROCESS_WORKERS", 0)
+    cfg.ingest.workers = 0
     s_thread = ingest_paths(cfg, store, arts, [f])
-    cfg2 = load_config(overrides={"home": str(tmp_path / "home2"), "ingest": {"batch_size": 7}})
-    cfg2.ensure_home()
     for workers in (1, 2, 3):
-        cfg2 = load_config(overrides={"home": str(tmp_path / f"home-w{workers}"), "ingest": {"batch_size": 7}})
+        cfg2 = load_config(overrides={"home": str(tmp_path / f"home-w{workers}"),
+                                      "ingest": {"batch_size": 7, "workers": workers}})
         cfg2.ensure_home()
-        monkeypatch.setattr(pl, "PROCESS_WORKERS", workers)
         monkeypatch.setattr(pl, "PROCESS_MIN_BYTES", 0)
         store2 = open_store(cfg2)
         try:
@@ -307,7 +305,7 @@ def test_a_worker_killed_mid_file_raises_keeps_committed_batches_and_rerun_is_ex
     lines = [_good(f"w-{i}", messages=big) for i in range(60)]
     f = _write(tmp_path / "w.jsonl", lines)
     monkeypatch.setattr(pl, "PROCESS_MIN_BYTES", 0)
-    monkeypatch.setattr(pl, "PROCESS_WORKERS", 2)
+    cfg.ingest.workers = 2
     started: list[wk.ProcessBatches] = []
     real_init = wk.ProcessBatches.__init__
 
