@@ -368,3 +368,23 @@ def test_strided_preparers_interleave_into_the_single_preparer_sequence(cfg):
         assert a.first_payloads == b.first_payloads and a.in_batch_duplicates == b.in_batch_duplicates
     assert st.records == sum(s.records for _, s in parts) and st.cut == "cut short"
     assert [s.cut for _, s in parts].count("cut short") == 1 and all(s.lines == st.lines for _, s in parts)
+
+
+def test_failure_states_kept_between_batches_equal_states_read_back_from_the_store(tmp_path, monkeypatch):
+    """The committer's in-memory failure states (bounded LRU) give the events a store read would."""
+    import flywheel.ingest.pipeline as pl
+    from flywheel.config import load_config
+    from flywheel.store import open_store
+
+    f = _write(tmp_path / "mixed.jsonl", _mixed_lines())
+    results = {}
+    for cache_size in (0, 2, 20_000):  # 0: every state read from the store; 2: constant eviction
+        monkeypatch.setattr(pl, "FAILURE_STATE_CACHE", cache_size)
+        cfg = load_config(overrides={"home": str(tmp_path / f"h{cache_size}"), "ingest": {"batch_size": 7}})
+        cfg.ensure_home()
+        with open_store(cfg) as s:
+            summary = ingest_paths(cfg, s, ArtifactStore(cfg.artifacts_dir), [f])
+            results[cache_size] = (_events(s), _failures(s))
+        assert summary.updated_failures > 0  # failures recur across batches: states were merged
+    assert results[2] == results[0] and results[20_000] == results[0]
+    assert any(st["occurrences"] > 1 for st in results[0][1].values())
