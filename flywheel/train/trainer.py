@@ -227,6 +227,25 @@ def _world_size() -> int:
 # -- the trainer -------------------------------------------------------------------------------------
 
 
+def make_adamw(params: list[torch.nn.Parameter], **kw: Any) -> torch.optim.AdamW:
+    """torch's AdamW on its fused kernel where the parameters allow it (floating point, one device type
+    among cpu/cuda), else its default (foreach) path.
+
+    Why: the foreach path materialises temporaries the size of the parameters in every step (the
+    square-root and update lists), and the fused kernel updates each parameter in place in one pass.
+    Measured on this 2-core machine, SmolLM2-135M full fine-tuning in fp32: ~0.85 s less per optimizer
+    step and a lower resident peak. (TRL's default, transformers' ``adamw_torch_fused``, is the same
+    kernel.)
+    """
+    devices = {p.device.type for p in params}
+    if len(devices) == 1 and devices <= {"cpu", "cuda"} and all(p.is_floating_point() for p in params):
+        try:
+            return torch.optim.AdamW(params, fused=True, **kw)
+        except (RuntimeError, TypeError, ValueError):  # a dtype or build without the fused kernel
+            pass
+    return torch.optim.AdamW(params, **kw)
+
+
 @dataclass
 class TrainerOptions:
     """Everything :class:`Trainer` needs besides the model (built from ``TrainConfig`` by the stages)."""
@@ -294,7 +313,7 @@ class Trainer:
             raise ValueError("no trainable parameters (LoRA found no target modules?)")
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in params)
-        optimizer = torch.optim.AdamW(params, lr=options.lr, betas=options.betas, weight_decay=options.weight_decay)
+        optimizer = make_adamw(params, lr=options.lr, betas=options.betas, weight_decay=options.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda s: cosine_with_warmup(

@@ -174,3 +174,22 @@ def test_deepspeed_zero1_on_cpu_matches_plain_step(monkeypatch):
     assert md.grad_norm == pytest.approx(mp.grad_norm, rel=1e-4)
     for (n, a), (_, b) in zip(plain.policy.named_parameters(), ds.policy.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_adamw_uses_the_fused_kernel_on_cpu_and_matches_the_default_path():
+    from flywheel.train.trainer import make_adamw
+
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(17, 5)), torch.nn.Parameter(torch.randn(3))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    fused = make_adamw(a, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
+    plain = torch.optim.AdamW(b, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
+    assert fused.defaults["fused"] is True and not plain.defaults.get("fused")
+    for step in range(5):
+        for ps, opt in ((a, fused), (b, plain)):
+            opt.zero_grad(set_to_none=True)
+            loss = sum(((p * (step + 1)) ** 2).sum() for p in ps)
+            loss.backward()
+            opt.step()
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
