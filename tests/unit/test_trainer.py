@@ -57,15 +57,20 @@ def reference_logprobs(model, s: TrainSample) -> torch.Tensor:
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize("impl", ["fused", "naive"])
 def test_micro_batch_logprobs_match_per_sequence_forward(packing, impl):
-    # Padded rows (left-aligned, attention mask) and packed rows (restarting position ids, no mask)
-    # must both reproduce each sequence's own forward pass: no cross-sequence attention in packing.
+    # Padded rows (right padding, no mask: causal attention never reaches it) and packed rows
+    # (restarting position ids, no mask) must both reproduce each sequence's own forward pass: no
+    # attention to padding, no cross-sequence attention in packing.
     model = tiny_lm()
     samples = batch()
+    padded_rows = 0
     with torch.no_grad():
         for mb in make_micro_batches(samples, token_budget=24, packing=packing):
+            assert mb.attention_mask is None and mb.n_tokens == sum(len(s) for s in mb.samples)
+            padded_rows += sum(len(s) < mb.input_ids.shape[1] for s in mb.samples) if not packing else 0
             logp, _ = sequence_logprobs(model, mb, impl=impl)
             for k, s in enumerate(mb.samples):
                 torch.testing.assert_close(logp[k, : len(s.completion_ids)], reference_logprobs(model, s), atol=2e-5, rtol=1e-5)
+    assert packing or padded_rows > 0  # the padded case really had padding
 
 
 def test_token_budget_is_respected():
