@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -227,6 +228,32 @@ def _world_size() -> int:
 # -- the trainer -------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _libc_malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
+        return None
+
+
+def _malloc_trim() -> None:
+    """Return the heap's free pages to the OS (glibc ``malloc_trim(0)``).
+
+    Why: on CPU the activations of a step are freed by the end of it, but glibc keeps most of that
+    memory in its arenas (its mmap threshold adapts upward once large blocks are freed), and the
+    fragments it keeps make the resident high-water mark creep up step after step. Measured on
+    SmolLM2-135M full fine-tuning, CPU: peak RSS over three steps 5.29 GB without, 4.91 GB with, at a
+    cost of ~1 ms per call. (A fixed small mmap threshold cuts deeper, to 4.2 GB, but made steps ~20 %
+    slower: every large tensor then costs fresh, zeroed pages.)
+    """
+    trim = _libc_malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def make_adamw(params: list[torch.nn.Parameter], **kw: Any) -> torch.optim.AdamW:
     """torch's AdamW on its fused kernel where the parameters allow it (floating point, one device type
     among cpu/cuda), else its default (foreach) path.
@@ -269,6 +296,10 @@ class TrainerOptions:
     deepspeed: str | None = None
     log_entropy: bool = True
     pad_id: int = 0
+    # MLPs and RMSNorms that keep fewer activations for backward (flywheel.kernels.fused_layers)
+    lean_layers: bool = True
+    # CPU: hand the step's freed heap back to the OS after each optimizer step (glibc malloc_trim)
+    release_memory: bool = True
 
 
 @dataclass
@@ -308,6 +339,11 @@ class Trainer:
         self.ref_model = None
         if options.objective != "sft" and options.loss_config.beta > 0 and not self.is_lora:
             self.ref_model = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
+        self.lean_layers: dict[str, int] = {}
+        if options.lean_layers:
+            from flywheel.kernels.fused_layers import patch_for_training
+
+            self.lean_layers = patch_for_training(unwrap(model))
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("no trainable parameters (LoRA found no target modules?)")
@@ -438,6 +474,8 @@ class Trainer:
         self.step_count += 1
         if self.use_cuda:
             torch.cuda.synchronize()
+        elif self.opt.release_memory:
+            _malloc_trim()
         dt = time.perf_counter() - t0
         stats = {k: v / max(agg_w, 1.0) for k, v in agg.items()}
         rewards = torch.tensor([s.reward for s in samples])
