@@ -68,8 +68,8 @@ import pyarrow.compute as pc
 
 from flywheel.classify import FAILURE_KINDS
 from flywheel.ingest import formats
-from flywheel.ingest.prepare import Batch, Preparer
-from flywheel.ingest.reader import Line, iter_lines, open_binary, open_source
+from flywheel.ingest.prepare import PREPARED_SCHEMA, Batch, Preparer
+from flywheel.ingest.reader import Line, iter_lines, open_binary, open_source, position
 from flywheel.ingest.worker import ParallelBatches
 from flywheel.store import BATCH_SCHEMA, canonical_json
 
@@ -88,19 +88,11 @@ PROCESS_MIN_BYTES = 32 * 1024 * 1024
 # target; 1 worker (the default) keeps the sum ~1.75 GB. Raise it where cores and memory allow.
 SUFFIXES = (".jsonl", ".ndjson", ".json", ".gz", ".jsonl.gz")
 
+# The per-batch trace artifact: the prepared columns a reader needs (``trace`` is the canonical JSON
+# of the redacted trace), plus the file they came from.
 TRACE_SCHEMA = pa.schema(
-    [
-        ("trace_id", pa.string()),
-        ("source", pa.string()),
-        ("status", pa.string()),
-        ("kinds", pa.list_(pa.string())),
-        ("failure_id", pa.string()),
-        ("timestamp", pa.string()),
-        ("model", pa.string()),
-        ("trace", pa.string()),  # canonical JSON of the redacted trace
-        ("file_sha256", pa.string()),
-        ("line", pa.int64()),
-    ]
+    [PREPARED_SCHEMA.field(n) for n in ("trace_id", "source", "status", "kinds", "failure_id", "timestamp", "model", "trace")]
+    + [pa.field("file_sha256", pa.string()), PREPARED_SCHEMA.field("line")]
 )
 TRACE_COLUMNS = TRACE_SCHEMA.names
 
@@ -515,15 +507,8 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
                 lines = iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
         else:
             lines = iter_lines(stream, max_line)
-
-        def pos() -> int:
-            try:
-                return min(size, raw.tell())
-            except (OSError, ValueError):
-                return 0
-
         try:
-            commit_all(_threaded(prep.batches(lines, pos)))
+            commit_all(_threaded(prep.batches(lines, position(raw, size))))
         finally:
             stream.close()
             raw.close()

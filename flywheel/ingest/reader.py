@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gzip
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -43,6 +43,18 @@ def open_source(path: Path) -> tuple[BinaryIO, BinaryIO]:
         # end raises EOFError and would drop every complete line decoded in that read.
         return gzip.GzipFile(fileobj=raw, mode="rb"), raw  # type: ignore[return-value]
     return raw, raw
+
+
+def position(raw: BinaryIO, size: int) -> Callable[[], int]:
+    """Bytes of the underlying file read so far (for progress), capped at ``size``; 0 once closed."""
+
+    def pos() -> int:
+        try:
+            return min(size, raw.tell())
+        except (OSError, ValueError):
+            return 0
+
+    return pos
 
 
 def open_binary(path: Path) -> BinaryIO:

@@ -71,7 +71,7 @@ def main() -> None:
 def _run(job: dict[str, Any], out: BinaryIO) -> None:
     from flywheel.config import IngestConfig
     from flywheel.ingest.prepare import Preparer
-    from flywheel.ingest.reader import iter_lines, open_source
+    from flywheel.ingest.reader import iter_lines, open_source, position
 
     # This process only prepares batches: its long-lived objects are the imported modules, and each
     # batch allocates ~10^6 short-lived dicts and lists that reference counting frees. Freezing the
@@ -83,14 +83,7 @@ def _run(job: dict[str, Any], out: BinaryIO) -> None:
     path = Path(job["path"])
     prep = Preparer(icfg, job["fmt"], job["name"], job["sha"])
     stream, raw = open_source(path)
-    size = job["size"]
-
-    def pos() -> int:
-        try:
-            return min(size, raw.tell())
-        except (OSError, ValueError):
-            return 0
-
+    pos = position(raw, job["size"])
     try:
         for b in prep.batches(iter_lines(stream, icfg.max_line_bytes), pos, stride=job["stride"],
                               offset=job["offset"]):
