@@ -60,13 +60,16 @@ What is timed (training phase only, generation excluded)
   peak" is the child's ``ru_maxrss`` over its whole life (loading included), from ``os.wait4``.
   The headline ratio uses the train peak.
 
-Measured on the shared 2-core box (load average 3-11 during the runs; single runs, so read the
-throughput ratios as +-30 %), SmolLM2-135M full fine-tuning, fp32, step-1 gradient norms equal:
-- default, question prompts (3,640 tokens/step): ours/TRL throughput x0.86 (median step; x0.71 mean),
-  train peak RSS 4.59 / 5.59 GB = x0.82. ``--quick`` (650 tokens/step): x0.83, 3.41 / 3.80 GB = x0.90.
-- ``--quick --prompt-style tools`` (real BFCL prompts with the function spec, 2,816 tokens/step):
-  throughput x1.75, train peak RSS 5.30 / 7.23 GB = x0.73. The head work TRL spends on prompt
-  positions grows with prompt length; on short prompts the two trainers are at parity.
+Measured on the shared 2-core box, SmolLM2-135M full fine-tuning, fp32, step-1 gradient norms equal
+(single runs: read throughput ratios as +-15 %):
+- ``--prompt-style tools`` (real BFCL prompts with the function spec; 8 x 4 x 64, 12,608 tokens per
+  step, load 1.3-1.9): 176.6 vs 100.8 tokens/s = x1.75, train peak RSS 8.60 / 13.92 GB = x0.62.
+- ``--quick --prompt-style tools`` (2,816 tokens per step, load 1.8): 182.3 vs 114.3 tokens/s =
+  x1.59, train peak RSS 4.93 / 7.13 GB = x0.69.
+- question-only prompts (~50 tokens; before the lean layers, no-mask padding and fused AdamW of
+  issue 9's second pass): x0.86 throughput, x0.82 RSS; ``--quick``: x0.83, x0.90. The head work TRL
+  spends on prompt positions grows with prompt length; on short prompts the two trainers do the same
+  work.
 
 Guarantees: both sides see identical token ids, rewards and advantages, the same number of
 sequences and completion tokens per optimizer step, and the same loss; step-1 gradient norms are
