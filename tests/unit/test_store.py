@@ -357,3 +357,17 @@ def test_node_ids_match_duckdb_and_a_collision_is_refused():
     with pytest.raises(StoreError, match="'a:x' and 'a:y'"):
         EventStore._check_node_ids(one, [(7, "a:x")])
     EventStore._check_node_ids(one, [(7, "a:y")])  # the same name seen before is fine
+
+
+def test_a_batch_in_several_chunks_numbers_each_stream_across_them(store):
+    store.append("trace:a", ev(0))
+    t = pa.concat_tables([
+        batch([("trace:a", "trace.ingested", {"i": 1}, []), ("trace:b", "trace.ingested", {"i": 2}, [])]),
+        batch([("trace:b", "trace.ingested", {"i": 3}, []), ("trace:a", "trace.ingested", {"i": 4}, [])]),
+    ])
+    assert t.column("stream").num_chunks == 2
+    r = store.append_batch(t)
+    assert (r.appended, r.first_seq, r.last_seq) == (4, 2, 5)
+    assert [(e.stream, e.stream_version, e.payload["i"]) for e in store.read(after_seq=1)] == [
+        ("trace:a", 2, 1), ("trace:b", 1, 2), ("trace:b", 2, 3), ("trace:a", 3, 4)]
+    assert store.check_integrity() == []
