@@ -50,7 +50,7 @@ import pyarrow.compute as pc
 from flywheel.events import CATALOG, check_event
 
 ANY = None  # expected_version: no check
-CHECKPOINT_THRESHOLD = os.environ.get('CKT', '256MiB')
+CHECKPOINT_THRESHOLD = "256MiB"
 NO_STREAM = 0  # expected_version: the stream must not exist yet
 
 
@@ -200,11 +200,6 @@ class EventStore:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock = _path_lock(self.path)
         self.con = self._connect(recover_wal)
-        # Schema versions of the catalog, joined by every append (registered once per connection).
-        self.con.register(
-            "_schema_versions",
-            pa.table({"t": list(CATALOG), "sv": [CATALOG[t].schema_version for t in CATALOG]}),
-        )
         if not read_only:
             for p in (self.path, Path(str(self.path) + ".wal")):
                 if p.exists():

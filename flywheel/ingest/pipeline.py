@@ -266,7 +266,8 @@ class _Committer:
             s.redactions_by_rule[k] = s.redactions_by_rule.get(k, 0) + v
         tbl = b.table
         streams = pc.binary_join_element_wise("trace:", tbl.column("trace_id"), "")
-        existing = [r[0] for r in self._existing("streams", "stream", streams, "stream")]
+        # Straight from events: the ``streams`` view aggregates every stream before it could filter.
+        existing = [r[0] for r in self._existing("events", "stream", streams, "DISTINCT stream")]
         if existing:
             mask = pc.invert(pc.is_in(streams, value_set=pa.array(existing, pa.string())))
             kept, streams = tbl.filter(mask), streams.filter(mask)
