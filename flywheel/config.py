@@ -196,15 +196,25 @@ class TrainConfig(_Section):
 
 
 class GateConfig(_Section):
+    """Gate thresholds: when a challenger may replace the champion (see flywheel.gate)."""
+
+    min_paired_items: int = Field(
+        30, ge=1, description="Fewer paired held-out items than this: the outcome is 'insufficient evidence' "
+        "(exit code 4), neither a pass nor a refusal; the champion stays."
+    )
     min_pass_rate: float = Field(0.0, ge=0.0, le=1.0, description="Absolute floor on held-out pass rate.")
     min_improvement: float = Field(
         0.0,
         ge=-1.0,
         le=1.0,
-        description="Lower CI bound of (challenger - champion) pass rate must exceed this.",
+        description="The one-sided lower confidence bound of (challenger - champion) pass rate (Newcombe hybrid "
+        "score method for paired proportions) must exceed this.",
     )
-    confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the paired bootstrap.")
-    bootstrap_samples: int = Field(2000, ge=100)
+    confidence: float = Field(
+        0.95, gt=0.5, lt=1.0, description="Confidence of the decision: the exact sign test must give p < 1 - "
+        "confidence, and the lower bound is one-sided at this level."
+    )
+    bootstrap_samples: int = Field(2000, ge=100, description="Paired-bootstrap resamples of the reported effect-size CI.")
     max_slice_regression: float = Field(0.1, ge=0.0, le=1.0)
     min_slice_size: int = Field(5, ge=1)
     max_regression_failures: int = Field(0, ge=0)
