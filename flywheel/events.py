@@ -34,6 +34,7 @@ CATALOG: dict[str, EventType] = {
         EventType("suite.versioned", "suite", "evals"),
         EventType("env.versioned", "env", "suite versions, synth batches"),
         EventType("synth.batch_accepted", "synth", "env version, seed evals"),
+        EventType("synth.batch_rechecked", "synth", "the held-out suite version it was checked against"),
         EventType("rollouts.published", "rollouts", "env versions, policy model"),
         EventType("training.completed", "run", "rollouts or demonstrations, base model"),
         EventType("model.registered", "model", "training run"),
