@@ -86,6 +86,8 @@ class StageDisplay:
             text = f"step {info['step']}/{info.get('total')}" + (f", loss {loss:.4f}" if isinstance(loss, float) else "")
         elif status == "failed":
             text = f"[red]failed: {info.get('error')}[/]"
+        elif status == "warning":
+            text = f"[bold yellow]warning:[/] {info.get('warning')}"
         else:
             text = status + "".join(f", {k} {v}" for k, v in info.items() if k != "status" and v is not None)
         self.rows[stage] = text
@@ -111,6 +113,12 @@ def print_cycle_summary(result: dict) -> None:
     rows.append(("new failures", str(st.get("new_failures"))))
     if "evals" in st:
         rows.append(("evals", f"{st['evals'].get('splits')}"))
+        h = st["evals"].get("heldout") or {}
+        if h:
+            rows.append(("held-out suite", f"{h.get('items')} items: {h.get('failures')} failures (fix rate), "
+                                           f"{h.get('successes')} successes (keep rate)"))
+        for w in st["evals"].get("warnings") or []:
+            rows.append(("[bold yellow]warning[/]", w))
     if "synth" in st:
         c = st["synth"].get("counts") or st["synth"].get("funnel") or {}
         rows.append(("synth", ", ".join(f"{k} {v}" for k, v in c.items())))
@@ -127,7 +135,10 @@ def print_cycle_summary(result: dict) -> None:
             rows.append((key, s.get("skipped") or f"{s.get('model_entity')} after {s.get('steps')} steps, loss {s.get('metrics', {}).get('loss')}"))
     if "gate" in st:
         g = st["gate"]
-        rows.append(("gate", ("PASSED" if g.get("passed") else "REFUSED") + (": " + "; ".join(g.get("reasons") or []) if g.get("reasons") else "")))
+        outcome = g.get("outcome") or ("passed" if g.get("passed") else "refused")
+        p = (g.get("numbers") or {}).get("p_value")
+        head = outcome.replace("_", " ").upper() + (f" (p = {p:.4g})" if isinstance(p, float) else "")
+        rows.append(("gate", head + (": " + "; ".join(g.get("reasons") or []) if g.get("reasons") else "")))
     rows.append(("outcome", f"{result.get('outcome')}: {result.get('reason')}"))
     rows.append(("wall time", f"{result.get('wall_s')} s"))
     print_table(f"cycle {result.get('cycle')}", ["stage", "result"], rows)
