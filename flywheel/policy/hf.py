@@ -147,7 +147,11 @@ class HFPolicy:
     # ------------------------------------------------------------------ adapters and weights
     def load_adapter(self, path: str | Path, name: str = "default", *, activate: bool = True) -> None:
         """Load (or reload) the peft LoRA adapter at ``path`` as ``name``. With ``activate`` this
-        policy samples with it from the next call on; other views keep their own adapter."""
+        policy samples with it from the next call on; other views keep their own adapter.
+
+        A load that fails raises :class:`ModelLoadError` and leaves the model as it was, except that
+        a reloaded ``name`` is gone (load under a new name to keep the old one until the new one is
+        in, as ``flywheel serve`` does)."""
         with self._shared.lock:
             self._shared.model = attach_adapter(self._shared.model, path, name=name)
             self._shared.model.eval()
