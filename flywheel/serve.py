@@ -38,19 +38,20 @@ Security and bounds (``flywheel.config.ServeConfig``)
 - ``max_tokens`` over ``max_tokens``, ``n`` over ``max_n``, more than ``max_stop`` stop strings or one
   longer than ``max_stop_chars`` get 400; more than ``max_concurrency`` requests generating at once
   get 429 at once rather than queueing without bound.
-- Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 bad JSON or
-  fields; 401 bad or missing key; 403 refused (adapter loading off, path not allowed); 404 unknown
-  model or route; 408; 409 adapter name taken; 413; 415; 429; 500; 503. Error bodies never carry
-  internal text: an unexpected exception answers "internal error" with a reference that the server
-  log shows next to the traceback; adapter errors never echo server paths.
+- Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` and close their
+  connection (an unread body must not keep it): 400 bad JSON or fields; 401 bad or missing key; 403
+  refused (adapter loading off, path not allowed); 404 unknown model or route; 408; 409 adapter name
+  taken; 413; 415; 429; 500; 503. Error bodies never carry internal text: an unexpected exception
+  answers "internal error" with a reference that the server log shows next to the traceback;
+  adapter errors never echo server paths.
 
 Adapters (off unless ``serve.allow_adapter_loading``; :class:`AdapterLoading`)
 - ``lora_path`` must be an absolute path whose real location (symlinks followed) lies in one of
   ``serve.adapter_dirs`` and holds ``adapter_config.json`` and ``adapter_model.safetensors`` (no
   pickled ``.bin`` weights), all inside the allowed directory too.
-- Names are refused (409) when reserved (the served model's name, ``default``: the champion's own
-  adapter, any adapter the base policy already carries) or already loaded: a served adapter is
-  never replaced in place; unload it first.
+- Names match ``[A-Za-z0-9][A-Za-z0-9._-]{0,63}`` and are refused (409) when reserved (the served
+  model's name, ``default``: the champion's own adapter, any adapter the base policy already
+  carries) or already loaded: a served adapter is never replaced in place; unload it first.
 - An adapter is loaded under a fresh internal name and becomes visible under ``lora_name`` only
   after the load succeeded *and* its ``adapter.loaded`` event was appended to the event store; a
   failed load leaves the served model exactly as it was (:func:`flywheel.policy.models.attach_adapter`)
@@ -538,7 +539,11 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
             return b
 
     def err(e: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        # An error may leave a request body unread (413, 415, 408, a refused Host or key) that the
+        # client could go on trickling; closing the connection ends it (uvicorn honours the header).
+        headers = {"Connection": "close"}
+        if e.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
         return JSONResponse(_error_body(e.status, e.message, e.type, e.param, e.code), status_code=e.status,
                             headers=headers)
 
