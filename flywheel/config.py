@@ -229,10 +229,37 @@ class ServeConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address; anything but loopback requires an API key.")
     port: int = Field(8000, ge=0, le=65535)
     api_key_env: str = Field("FLYWHEEL_API_KEY", description="Env var holding the server API key.")
+    api_key_file: Path | None = Field(
+        None, description="File holding the server API key (first line); read when the env var is unset. "
+        "Keys are never taken from the command line, where `ps` shows them to every user.",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header names accepted besides the bind address (loopback binds: localhost, "
+        "127.0.0.1, ::1). Other names are refused, which defeats DNS rebinding. '*' accepts any.",
+    )
     max_tokens: int = Field(1024, ge=1)
     max_n: int = Field(16, ge=1)
+    max_stop: int = Field(4, ge=0, le=16, description="Most stop strings per request (OpenAI allows 4).")
+    max_stop_chars: int = Field(128, ge=1, le=1024, description="Longest stop string, in characters.")
     max_body_bytes: int = Field(1_000_000, ge=1024)
-    max_concurrency: int = Field(4, ge=1)
+    max_concurrency: int = Field(4, ge=1, description="Requests generating at once; more get 429.")
+    limit_concurrency: int = Field(
+        64, ge=1, description="uvicorn's limit on open connections plus running tasks; beyond it, 503.",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection must deliver a complete request head within this time, else closed.",
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="A request body must arrive within this time, else 408.")
+    allow_adapter_loading: bool = Field(
+        False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (each load and "
+        "unload is recorded as an event).",
+    )
+    adapter_dirs: list[Path] = Field(
+        default_factory=list,
+        description="Directories a loaded adapter must lie in (relative to home); empty: <home>/models and "
+        "the MLflow artifact root.",
+    )
     poll_alias_s: float = Field(5.0, gt=0, description="How often serve checks the champion alias.")
 
 
