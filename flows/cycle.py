@@ -314,17 +314,22 @@ def flywheel_cycle(
             env_id = latest_version(store, "env", cfg.cycle.train_env)
             outputs.append(env_id)
 
-        # 4. rollouts from the champion
+        # 4. rollouts from the champion: what GRPO learns from, and what train.mode = auto decides on.
+        # With train.mode = sft they would be sampled and thrown away (the GRPO step samples the SFT
+        # model instead), so they are skipped.
         tracker = _R.tracker
         name = cfg.cycle.model_name
         champion = tracker.get_alias_version(name, "champion")
         champion_ref = f"model:{name}/{champion}" if champion is not None else f"base:{cfg.policy.base_model}"
-        _report("rollouts", status="running", policy=champion_ref)
-        roll = timed("rollouts", rollout_stage, K("rollouts", env=env_id, policy=champion_ref, rollout=cfg.rollout.model_dump()),
-                     champion_ref if champion is not None else cfg.policy.base_model, corr)
-        stages["rollouts"] = roll
-        if roll.get("published"):
-            outputs.append(roll["rollout_id"])
+        roll: dict[str, Any] = {}
+        if cfg.train.mode != "sft":
+            _report("rollouts", status="running", policy=champion_ref)
+            roll = timed("rollouts", rollout_stage, K("rollouts", env=env_id, policy=champion_ref,
+                                                      rollout=cfg.rollout.model_dump()),
+                         champion_ref if champion is not None else cfg.policy.base_model, corr)
+            stages["rollouts"] = roll
+            if roll.get("published"):
+                outputs.append(roll["rollout_id"])
         base = champion_ref if champion is not None else cfg.policy.base_model
 
         # 5. training: SFT warm start when GRPO would learn nothing, then GRPO
