@@ -77,7 +77,10 @@ def wilson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     den = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At k = 0 (k = n) the lower (upper) limit is exactly 0 (1); floating point leaves ~1e-17.
+    lo = 0.0 if k == 0 else max(0.0, centre - half)
+    hi = 1.0 if k == n else min(1.0, centre + half)
+    return lo, hi
 
 
 def sign_test(wins: int, losses: int) -> float:

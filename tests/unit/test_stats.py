@@ -25,6 +25,7 @@ def test_wilson_known_values():
     assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
     assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
     assert wilson(0, 0) == (0.0, 1.0)
+    assert wilson(0, 7)[0] == 0.0 and wilson(7, 7)[1] == 1.0  # exact at the ends, no float residue
     lo90, hi90 = wilson(5, 10, 0.90)
     assert 0.2366 < lo90 and hi90 < 0.7634  # a lower level gives a narrower interval
     with pytest.raises(ValueError):
