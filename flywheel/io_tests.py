@@ -505,6 +505,10 @@ class _Compiler:
         try:
             return ast.literal_eval(node)
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            pass
+        try:
+            return _fold(node)
+        except (ValueError, TypeError, ArithmeticError):
             raise self.fail(node, f"{self.text(node)!r} is not a literal") from None
 
     def check(self, node: ast.AST, env: dict, literals: dict) -> ast.AST:
@@ -533,7 +537,12 @@ class _Compiler:
         if isinstance(node, ast.BoolOp):
             node.values = [self.check(v, env, literals) for v in node.values]
             return node
-        if isinstance(node, ast.BinOp) and isinstance(node.op, _BINOPS):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, _BINOPS + (ast.Pow,)):
+            try:
+                return _Literal(_fold(node))  # constant arithmetic: 10**9 + 7
+            except (ValueError, TypeError, ArithmeticError):
+                if isinstance(node.op, ast.Pow):
+                    raise self.fail(node, "** on a result") from None
             node.left, node.right = self.check(node.left, env, literals), self.check(node.right, env, literals)
             return node
         if isinstance(node, ast.Compare):
@@ -573,6 +582,24 @@ class _Compiler:
         raise self.fail(node, f"{type(node).__name__} in a check")
 
 
+def _fold(node: ast.AST) -> Any:
+    """Value of arithmetic on number constants (``10**9 + 7``, ``-2**31``); ValueError otherwise."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float, complex):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        v = _fold(node.operand)
+        return -v if isinstance(node.op, ast.USub) else +v
+    if isinstance(node, ast.BinOp) and isinstance(node.op, _BINOPS + (ast.Pow,)):
+        a, b = _fold(node.left), _fold(node.right)
+        if isinstance(node.op, ast.Pow):
+            # Bounded so that a test cannot make the supervisor build a huge number.
+            if not (isinstance(b, int) and 0 <= b <= 10_000 and (not isinstance(a, int) or a.bit_length() * b <= 100_000)):
+                raise ValueError("exponent too large to fold")
+            return a**b
+        return _eval(ast.BinOp(_Literal(a), node.op, _Literal(b)), _Ctx(results=[]))
+    raise ValueError("not constant arithmetic")
+
+
 def _is_docstring(node: ast.AST) -> bool:
     return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
@@ -599,9 +626,9 @@ def decode_value(text: str) -> Any:
 
     Raises ``ValueError`` on anything an honest driver would not have written: the channel is
     written by the candidate's process, so this is a trust boundary. Tags: JSON null/true/false/
-    integers/strings/arrays as themselves (arrays are lists); ``{"f": repr}`` float, ``{"c": [re,
-    im]}`` complex, ``{"b": hex}`` bytes, ``{"t": [...]}`` tuple, ``{"s": [...]}`` set, ``{"fs":
-    [...]}`` frozenset, ``{"d": [[k, v], ...]}`` dict.
+    integers/strings/arrays as themselves (arrays are lists); ``{"x": hex}`` an integer over 10,000
+    bits, ``{"f": repr}`` float, ``{"c": [re, im]}`` complex, ``{"b": hex}`` bytes, ``{"t": [...]}``
+    tuple, ``{"s": [...]}`` set, ``{"fs": [...]}`` frozenset, ``{"d": [[k, v], ...]}`` dict.
     """
     if len(text) > MAX_RESULT_BYTES:
         raise ValueError("result too large")
@@ -635,6 +662,8 @@ def _untag(v: Any, depth: int) -> Any:
         if not (isinstance(re_, float) and isinstance(im, float)):
             raise ValueError("malformed complex")
         return complex(re_, im)
+    if tag == "x" and isinstance(body, str) and re.fullmatch(r"-?0x[0-9a-f]+", body):
+        return int(body, 16)
     if tag == "b" and isinstance(body, str):
         return bytes.fromhex(body)
     if tag in ("t", "s", "fs") and isinstance(body, list):

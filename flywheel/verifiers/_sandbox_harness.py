@@ -158,7 +158,8 @@ def _encoder():
         elif t is t_bool:
             s = "true" if v else "false"
         elif t is t_int:
-            s = int_repr(v)
+            # Decimal conversion of ints over 4300 digits raises (CVE-2020-10735 limit); hex does not.
+            s = int_repr(v) if v.bit_length() <= 10000 else '{"x":"' + hex(v) + '"}'
         elif t is t_float:
             s = '{"f":"' + float_repr(v) + '"}'
         elif t is t_str:
@@ -495,6 +496,9 @@ def main():
     import time
 
     t_start = time.monotonic_ns()
+    # The umask is inherited from the verifier's process; a restrictive one (0o077, set by some
+    # libraries) would make the directories _expose creates untraversable for the sandbox uids.
+    os.umask(0o022)
     init_fd, result_fd = int(sys.argv[1]), int(sys.argv[2])
     import marshal
 
