@@ -78,6 +78,8 @@ MAX_RESULT_BYTES = 1 << 20
 MAX_DEPTH = 64
 # Largest sequence a trusted ``*`` may build from candidate data (characters or items).
 _MAX_PRODUCT = 10_000_000
+# Largest integer operand of trusted arithmetic (division of two such numbers takes ~10 ms).
+_MAX_INT_BITS = 100_000
 
 _HELPERS: dict[str, Any] = {
     "len": len, "abs": abs, "round": round, "sorted": sorted, "min": min, "max": max, "sum": sum,
@@ -278,6 +280,13 @@ def _eval(node: ast.AST, ctx: _Ctx) -> Any:
     if isinstance(node, ast.BinOp):
         a, b = _eval(node.left, ctx), _eval(node.right, ctx)
         op = node.op
+        # The operands may come from the candidate: no operation whose cost it controls without
+        # bound (quadratic division of huge ints, '%0999999999d' % x formatting a gigabyte).
+        for v in (a, b):
+            if isinstance(v, int) and v.bit_length() > _MAX_INT_BITS:
+                raise OverflowError("number too large to check")
+        if isinstance(op, ast.Mod) and isinstance(a, str | bytes):
+            raise TypeError("string formatting is not a check")
         if isinstance(op, ast.Add):
             return a + b
         if isinstance(op, ast.Sub):

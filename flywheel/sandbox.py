@@ -7,7 +7,7 @@ How a run works
 ---------------
 The supervisor (this module, in the verifier's process) starts the trusted harness
 ``flywheel/verifiers/_sandbox_harness.py`` as pid 1 of new pid, mount and network namespaces
-(``unshare --pid --fork --mount-proc --net``) and sends it the setup -- candidate, tests or grader,
+(``unshare --pid --fork --mount-proc --ipc --net``) and sends it the setup -- candidate, tests or grader,
 per-run secrets -- on its stdin: nothing is written to a file or put on a command line. Results come
 back on two unlinked temporary files (the init channel and the result channel) whose descriptors
 the harness inherits. The harness, still root:
@@ -230,7 +230,7 @@ def isolation_mode() -> str:
         return "weak: unshare(1) not found"
     try:
         r = subprocess.run(
-            [unshare, "--pid", "--fork", "--mount-proc", "--net", "true"],
+            [unshare, "--pid", "--fork", "--mount-proc", "--ipc", "--net", "true"],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=10,
@@ -508,7 +508,7 @@ def isolation_report(cfg: SandboxConfig | None = None) -> dict[str, str | bool]:
         warning = f"python_tests/shell verdicts come from a weak sandbox and can be forged ({iso})"
     return {
         "mode": "netns" if strong else "weak",
-        "namespaces": "pid, mount, network (unshare)" if strong else iso,
+        "namespaces": "pid, mount, ipc, network (unshare)" if strong else iso,
         "uid": "throwaway uid per run (grader: a second one)" if os.geteuid() == 0 else "the verifier's own uid",
         "cgroup": cg,
         "verdicts": verdicts,
@@ -701,7 +701,7 @@ def _run(
     root_user = os.geteuid() == 0
     report: dict = {
         "mode": "netns" if strong else "weak",
-        "namespaces": ("pid, mount" + (", network" if cfg.network == "none" else "")) if strong else iso,
+        "namespaces": ("pid, mount, ipc" + (", network" if cfg.network == "none" else "")) if strong else iso,
         "uid": "throwaway" if root_user else "the verifier's own uid",
         "grading": grading,
     }
@@ -781,7 +781,8 @@ def _run(
             flags = ["-I"] if site_packages else ["-I", "-S"]
             argv = [exe, *flags, "-c", _BOOT, str(init_f.fileno()), str(result_f.fileno())]
             if strong:
-                ns = ["--pid", "--fork", "--mount-proc", "--kill-child"] + (["--net"] if cfg.network == "none" else [])
+                # --ipc: SysV segments and POSIX queues the candidate creates die with the run.
+                ns = ["--pid", "--fork", "--mount-proc", "--kill-child", "--ipc"] + (["--net"] if cfg.network == "none" else [])
                 argv = [shutil.which("unshare") or "unshare", *ns, *argv]
             payload = marshal.dumps(setup, 4)
             deadline = time.monotonic() + float(cfg.wall_seconds) + _GRACE_S * phases

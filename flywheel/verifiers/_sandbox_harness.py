@@ -388,19 +388,31 @@ def _worker_inproc(setup, result_fd, test_imports):
                         class_state.append((v, dict_(v.__dict__)))
                     except base_exc:
                         pass
+    # The tests see private copies of those modules: a candidate that rebinds math.isclose while a
+    # test runs (inside the function under test) changes the real module only.
+    module_type = type_(sys)
+    copies = {n: module_type(n) for n in saved}
+    copy_state = []
+    for n, m in saved.items():
+        d = dict_(getattr_(m, "__dict__", None) or {})
+        for k, v in list_(d.items()):
+            if isinstance_(v, module_type) and getattr_(v, "__name__", None) in copies:
+                d[k] = copies[v.__name__]
+        dict_update(copies[n].__dict__, d)
+        copy_state.append((copies[n].__dict__, d))
     real_import = builtins.__import__
-    saved_get = saved.get
+    copies_get = copies.get
 
     def tests_import(name, globals=None, locals=None, fromlist=(), level=0):
-        # The tests get the module objects imported before the candidate existed, whatever the
-        # candidate put in sys.modules or sys.meta_path since.
+        # The tests get the modules imported before the candidate existed, whatever the candidate
+        # put in sys.modules or sys.meta_path since.
         if level == 0:
-            mod = saved_get(name)
-            top = saved_get(str_partition(name, ".")[0])
+            mod = copies_get(name)
+            top = copies_get(str_partition(name, ".")[0])
             if mod is not None and top is not None:
                 if not fromlist:
                     return top
-                if all(isinstance_(x, str_) and (saved_get(name + "." + x) is not None or x in mod.__dict__)
+                if all(isinstance_(x, str_) and (copies_get(name + "." + x) is not None or x in mod.__dict__)
                        for x in fromlist):
                     return mod
         return real_import(name, globals, locals, fromlist, level)
@@ -412,6 +424,9 @@ def _worker_inproc(setup, result_fd, test_imports):
     def restore():
         dict_clear(test_builtins)
         dict_update(test_builtins, pristine)
+        for d, snap in copy_state:
+            dict_clear(d)
+            dict_update(d, snap)
         for d, snap in module_state:
             dict_clear(d)
             dict_update(d, snap)
@@ -436,6 +451,11 @@ def _worker_inproc(setup, result_fd, test_imports):
     _signal = None
     _purge_blocked_modules()
     _install_audit_hook()
+    import _thread
+
+    threads = _thread._count  # Python threads other than this one
+    baseline_threads = threads()
+    lingering = "failed: RuntimeError: a thread the candidate started is still running (it could change what the tests see)"
 
     try:
         real_import("solution")
@@ -460,6 +480,9 @@ def _worker_inproc(setup, result_fd, test_imports):
     namespace_snapshot = dict_(namespace)
     for i in range_(n_tests):
         obj, meth = targets[i]
+        if threads() > baseline_threads:
+            report(f"FAIL {i} {lingering}")
+            continue
         restore()
         dict_clear(namespace)
         dict_update(namespace, namespace_snapshot)
@@ -483,6 +506,9 @@ def _worker_inproc(setup, result_fd, test_imports):
                 obj()
         except base_exc as e:  # noqa: BLE001
             report(f"FAIL {i} " + one_line(describe(e)))
+            continue
+        if threads() > baseline_threads:
+            report(f"FAIL {i} {lingering}")
             continue
         report(f"PASS {i} {tokens[i]}")
     report("DONE " + done_token)

@@ -737,3 +737,57 @@ def test_attack_shell_candidate_makes_its_files_unreadable_or_rewrites_them_late
     attack = "echo 41 > answer.txt; (sleep 1; echo 42 > answer.txt) & disown; exit 0"
     r = run_shell(attack, grader, CFG)
     assert r.infra_error is None and not r.passed
+
+
+@needs_ns
+def test_attack_thread_keeps_patching_what_the_tests_use():
+    # A thread started at import rebinds math.isclose in a loop, racing the per-test restore.
+    tests = textwrap.dedent(
+        """
+        import math
+        from solution import add
+
+        def test_close():
+            for a, b, s in [(0.1, 0.2, 0.3)]:
+                r = add(a, b)
+                assert math.isclose(r, s)
+        """
+    )
+    attack = textwrap.dedent(
+        """
+        import math, threading
+        def patch():
+            while True:
+                math.isclose = lambda *a, **k: True
+        threading.Thread(target=patch, daemon=True).start()
+        def add(a, b):
+            return a - b
+        """
+    )
+    r = run(attack, tests)
+    assert not r.passed and "thread" in r.per_test["test_close"], r.per_test
+    # The same patch made by the function under test, between the call and the check.
+    inline = "import math\ndef add(a, b):\n    math.isclose = lambda *a, **k: True\n    return a - b\n"
+    r = run(inline, tests)
+    assert not r.passed and r.per_test["test_close"].startswith("failed: AssertionError"), r.per_test
+
+
+@needs_ns
+def test_attack_results_that_make_the_trusted_checks_expensive():
+    # The io checks run in the verifier's process: a result must not make them allocate or compute
+    # without bound ('%0999999999d' % 2 builds a gigabyte; // on 4-million-bit ints takes minutes).
+    tests = textwrap.dedent(
+        """
+        from solution import f
+
+        def test_format():
+            assert f(1) % 2 == '0'
+
+        def test_divide():
+            assert f(2) // f(2) == 1
+        """
+    )
+    attack = "def f(k):\n    return '%0999999999d' if k == 1 else 1 << 4_000_000\n"
+    r = run(attack, tests)
+    assert r.report["grading"] == "io" and not r.passed and r.tests_passed == 0, r.per_test
+    assert "too large" in r.per_test["test_divide"] and "formatting" in r.per_test["test_format"]
