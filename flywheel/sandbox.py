@@ -76,11 +76,12 @@ All paths:
   process and ``memory.max`` across all the sandbox's processes), infinite loops (``RLIMIT_CPU`` +
   wall clock, whole namespace killed), huge files (``RLIMIT_FSIZE`` per file, tmpfs size and inode
   count in total), network (empty network namespace: not even loopback is up), background processes
-  (pid namespace and cgroup).
+  (pid namespace and cgroup), SysV/POSIX IPC objects outliving the run (ipc namespace).
 
 ``io`` only: an object whose ``__eq__`` always returns True, an ``int`` subclass, anything but plain
 data (results are decoded into exact built-in types before any comparison); patching builtins or
-modules (the checks run in this process).
+modules (the checks run in this process); answering a call twice; results that would make the checks
+expensive (no ``%`` formatting of a result string, no arithmetic on integers over 100,000 bits).
 
 ``in_process``:
 
@@ -95,10 +96,18 @@ modules (the checks run in this process).
   names beforehand (``exec``, ``enumerate``, ``os.write``, ...), and test callables are resolved
   before the first test runs;
 - what the tests use: they run against a snapshot of ``builtins`` taken before the candidate's import
-  (``type``, ``__build_class__``, ``__import__``, ...), their imports resolve to the module objects
-  imported before the candidate (whatever it put in ``sys.modules`` or ``sys.meta_path``), and the
-  dicts of those modules and of the classes defined in them (``unittest.TestCase.assertEqual``,
-  ``math.isclose``), the builtins snapshot and the tests' namespace are restored before every test.
+  (``type``, ``__build_class__``, ``__import__``, ...); their imports resolve to private copies of the
+  modules imported before the candidate (whatever it later puts in ``sys.modules`` or
+  ``sys.meta_path``, or rebinds in the real ``math`` while a test runs); the class dicts of those
+  modules (``unittest.TestCase.assertEqual``), the real module dicts, the copies, the builtins
+  snapshot and the tests' namespace are restored before every test;
+- a thread the candidate leaves running (it could rebind things between restore and check) fails
+  every test that starts or ends while it runs.
+
+``grader`` (shell): files planted for the grader (``json.py``/``sitecustomize.py`` for its python, an
+rc file, ``bin/test``), symlinks into the grader's own files (``/proc/self/cwd/...``), files planted
+in ``/tmp``, ``/dev/shm``, ``/var/tmp`` (fresh for the grader), modes that lock the grader out (the
+files are handed to the grader's uid), background processes that rewrite the answer late.
 
 Not covered (know these before trusting a reward)
 -------------------------------------------------
@@ -110,7 +119,9 @@ Not covered (know these before trusting a reward)
   ``marshal.loads`` data builds code objects that CPython does not verify and that can read the
   interpreter's memory), CPython memory-safety bugs, objects the candidate reaches through values
   the tests hand it (a callback's ``__globals__`` is the tests' namespace -- restored before each
-  test, but writable during it), deeper state of the tests' modules than module and class dicts.
+  test, but writable during it), and state deeper than module and class dicts: functions of the
+  tests' modules read the *real* module's globals, and a change the function under test makes to
+  such state (or to instances, closures, C-level state) lasts until the next test.
   Treat ``in_process`` rewards as "hard to game by common RL hacks", not as a boundary against a
   targeted exploit; ``io`` rewards are bounded by the checks themselves.
 - ``in_process``: ``signal``, ``faulthandler`` and ``ctypes`` cannot be imported, so neither can
@@ -121,8 +132,10 @@ Not covered (know these before trusting a reward)
   as the grader's uid; the grader should read outputs, not run them.
 - Kernel exploits; side channels; reading world-readable host files (the host filesystem is visible
   read-only to the sandbox uids: the source tree, ``/etc``). Do not keep secrets world-readable.
-- Weak mode (see above): no namespaces, no tmpfs, the grader as the candidate's uid in a writable
-  tree; processes that ``setsid()`` escape the process-group kill unless a cgroup exists.
+- Weak mode (see above): no namespaces, no tmpfs; not root, the candidate runs as the verifier's own
+  user (it can read its files, reach the network, and tamper with the verifier's process); the grader
+  runs as the candidate's uid in a writable tree; processes that ``setsid()`` escape the
+  process-group kill unless a cgroup exists.
 - CPU time is limited per process; the wall clock bounds the total.
 
 Throughput: the Python path starts ``python -I -S`` (no site-packages: ~10 ms instead of ~30 ms on the

@@ -20,9 +20,10 @@ pid/mount/network namespaces (``unshare``), with ``argv = [init_fd, result_fd]``
     expected values never enter the sandbox, the supervisor judges.
   - ``inproc``: the free-form tests run beside the candidate. Before the candidate is imported the
     worker snapshots ``builtins``, imports the modules the tests import and snapshots them (module
-    dicts, and the dicts of classes defined in them), removes ``signal``/``_signal``/``faulthandler``/
-    ``ctypes`` from ``sys.modules`` and installs an audit hook that refuses their import and every
-    frame/introspection path it can see. Tests run against the snapshots, restored before each test.
+    dicts, and the dicts of classes defined in them) into private copies the tests import, removes
+    ``signal``/``_signal``/``faulthandler``/``ctypes`` from ``sys.modules`` and installs an audit hook
+    that refuses their import and every frame/introspection path it can see. Tests run against the
+    snapshots, restored before each test; a test fails while a thread of the candidate is running.
     A ``PASS`` record carries that test's own random token, so a record the candidate reads back (or
     intercepts) reveals nothing about the tests it failed.
   - ``shell``: execs bash on the candidate script.
