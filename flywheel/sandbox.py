@@ -850,9 +850,10 @@ def _run(
         setup_err = next((" ".join(r[1:-1]) for r in init_recs if r[0] == "SETUP_ERROR"), None)
         why = setup_err or (stderr.strip().splitlines() or ["no output"])[-1]
         return _infra(f"sandbox did not start: {why}", iso, t0, report, stdout=stdout, stderr=stderr)
-    grader_err = next((" ".join(r[1:-1]) for r in init_recs if r[0] == "GRADER_SETUP_ERROR"), None)
-    if grader_err:
-        return _infra(f"sandbox could not prepare the grader: {grader_err}", iso, t0, report, stdout=stdout, stderr=stderr)
+    for tag, what in (("WORKER_SETUP_ERROR", "start its worker"), ("GRADER_SETUP_ERROR", "prepare the grader")):
+        err = next((" ".join(r[1:-1]) for r in init_recs if r[0] == tag), None)
+        if err:
+            return _infra(f"sandbox could not {what}: {err}", iso, t0, report, stdout=stdout, stderr=stderr)
     stamps = {r[0]: int(r[-1]) for r in init_recs if r[-1].isdigit()}
     start = next((int(r[1]) for r in init_recs if r[0] == "START" and r[1].isdigit()), None)
     timings["prepare"] = (t_spawn - t0) / 1e6
@@ -882,11 +883,13 @@ def _run(
     if killed_reason is None and cg_stats.get("oom_kills"):
         killed_reason = "memory_limit (cgroup): a process of the sandbox was killed"
 
-    per_test: dict[str, str] = {n: "missing: no result recorded" for n in names}
+    worker = statuses.get("WORKER")
+    missing = "missing: no result recorded" + (f" (worker {' '.join(worker).lower()})" if worker else "")
+    per_test: dict[str, str] = {n: missing for n in names}
     integrity: list[str] = []
     if mode == "io":
         assert plan is not None
-        per_test, integrity = _judge_io(plan, result_raw, statuses.get("WORKER"))
+        per_test, integrity = _judge_io(plan, result_raw, worker)
     elif mode == "inproc":
         per_test, integrity = _judge_inproc(names, setup["tokens"], setup["done_token"], result_raw, per_test)
     else:

@@ -211,7 +211,7 @@ def _encoder():
     return encode, Unencodable
 
 
-def _worker_io(setup, result_fd):
+def _worker_io(setup, result_fd, ready=lambda: None):
     """Import the candidate, make each call once, write each result. Holds nothing that decides a
     verdict: whatever this process writes, the supervisor compares with values it never sent."""
     write = os.write
@@ -235,6 +235,7 @@ def _worker_io(setup, result_fd):
 
     sys.path[:0] = [setup["workdir"]]
     sys.dont_write_bytecode = True
+    ready()
     try:
         mod = __import__("solution")
         bound = {}
@@ -325,7 +326,7 @@ def _install_audit_hook():
     sys.addaudithook(hook)
 
 
-def _worker_inproc(setup, result_fd, test_imports):
+def _worker_inproc(setup, result_fd, test_imports, ready=lambda: None):
     """Runs in the forked worker, after privileges are dropped. Never returns."""
     import builtins
 
@@ -458,6 +459,7 @@ def _worker_inproc(setup, result_fd, test_imports):
     baseline_threads = threads()
     lingering = "failed: RuntimeError: a thread the candidate started is still running (it could change what the tests see)"
 
+    ready()
     try:
         real_import("solution")
     except base_exc as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from the candidate included
@@ -601,9 +603,15 @@ def main():
         os._exit(2)
 
     def spawn(kind, run_as, argv=None, cwd=None, env=None):
+        """Fork a worker; returns (pid, None) once it is about to run candidate (or grader) code, or
+        (pid, why) when it failed before that -- an infrastructure error, not the candidate's."""
+        # Close-on-exec: an exec that works closes it silently; python workers close it themselves
+        # right before importing the candidate; anything written to it is a setup failure.
+        sr, sw = os.pipe2(os.O_CLOEXEC)
         pid = os.fork()
         if pid == 0:
             try:
+                os.close(sr)
                 os.close(init_fd)
                 if run_as is not None:
                     _drop_privileges(run_as)
@@ -613,22 +621,35 @@ def main():
                 _set_limits(setup["limits"])
                 if cwd is not None:
                     os.chdir(cwd)
-                if kind in ("io", "inproc"):
-                    os.closerange(3, result_fd)
-                    os.closerange(result_fd + 1, 1 << 16)
-                    if kind == "io":
-                        _worker_io(setup, result_fd)
-                    _worker_inproc(setup, result_fd, test_imports)
+                keep = sorted({sw, result_fd} if kind in ("io", "inproc") else {sw})
+                lo = 3
+                for fd in keep:
+                    os.closerange(lo, fd)
+                    lo = fd + 1
+                os.closerange(lo, 1 << 16)
+
+                def ready():
+                    os.close(sw)
+
+                if kind == "io":
+                    _worker_io(setup, result_fd, ready)
+                elif kind == "inproc":
+                    _worker_inproc(setup, result_fd, test_imports, ready)
                 else:
-                    os.closerange(3, 1 << 16)
                     os.execve("/bin/bash", ["bash", "--noprofile", "--norc", *argv], env or os.environ)
             except BaseException as e:  # noqa: BLE001
                 try:
-                    os.write(2, f"sandbox worker failed: {type(e).__name__}: {e}\n".encode())
+                    os.write(sw, _one_line(f"{type(e).__name__}: {e}").encode())
                 finally:
                     os._exit(4)
             os._exit(5)
-        return pid
+        os.close(sw)
+        try:
+            got, _, _ = select.select([sr], [], [], setup["phase_seconds"])
+            why = os.read(sr, 4096).decode(errors="replace") if got else "the worker did not start in time"
+        finally:
+            os.close(sr)
+        return pid, (why or None)
 
     def wait_with_deadline(pid, seconds):
         # A pidfd turns "wait with a timeout" into one select() call: no polling latency.
@@ -677,15 +698,24 @@ def main():
             return f"{tag} SIGNAL {os.WTERMSIG(status)}"
         return f"{tag} EXIT {os.WEXITSTATUS(status)}"
 
+    def worker_failed(why):
+        init_report("WORKER_SETUP_ERROR " + _one_line(why))
+        kill_everyone_else()
+        os._exit(2)
+
     init_report("READY")
     if mode in ("io", "inproc"):
-        pid = spawn(mode, uid)
+        pid, why = spawn(mode, uid)
         os.close(result_fd)
+        if why:
+            worker_failed(why)
         status = wait_with_deadline(pid, setup["phase_seconds"])
         init_report(status_line("WORKER", status))
         kill_everyone_else()
     else:
-        pid = spawn("shell", uid, ["candidate.sh"])
+        pid, why = spawn("shell", uid, ["candidate.sh"])
+        if why:
+            worker_failed(why)
         status = wait_with_deadline(pid, setup["phase_seconds"])
         init_report(status_line("CANDIDATE", status))
         kill_everyone_else()
@@ -697,7 +727,9 @@ def main():
         init_report("GRADER_READY " + ("nosymfollow" if genv.pop("_NOSYMFOLLOW", "") else "symlinks"))
         # The grader comes from init's memory (it never lived in the writable tree) and runs only
         # after every candidate process is dead, so only the files the candidate left count.
-        pid = spawn("shell", grader_uid, ["-c", setup["grader"]], cwd=gdir, env=genv)
+        pid, why = spawn("shell", grader_uid, ["-c", setup["grader"]], cwd=gdir, env=genv)
+        if why:
+            worker_failed("grader: " + why)
         status = wait_with_deadline(pid, setup["phase_seconds"])
         init_report(status_line("GRADER", status))
         kill_everyone_else()

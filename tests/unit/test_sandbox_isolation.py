@@ -257,3 +257,15 @@ def test_a_restrictive_umask_in_the_verifier_does_not_break_the_sandbox():
         os.umask(old)
     assert r.passed, (r.per_test, r.stderr)
     assert io.passed, (io.per_test, io.stderr)
+
+
+@pytest.mark.skipif(sb.isolation_mode() != "netns", reason="needs namespaces")
+def test_a_worker_that_fails_before_the_candidate_runs_is_an_infra_error(monkeypatch):
+    # An rlimit the kernel refuses: the worker dies in its own setup, before any candidate code.
+    # That says nothing about the candidate, so it must not become reward 0.
+    monkeypatch.setattr(sb, "_limits", lambda cfg: {"nofile": -5})
+    for grading in ("io", "in_process"):
+        r = sb.run_python_tests("def sq(x):\n    return x * x\n", TESTS, FAST, grading=grading)
+        assert r.infra_error and "could not start its worker" in r.infra_error, (grading, r)
+    r = sb.run_shell("echo 1 > a", 'test -f "$WORK/a"', FAST)
+    assert r.infra_error and "could not start its worker" in r.infra_error
