@@ -111,6 +111,9 @@ files are handed to the grader's uid), background processes that rewrite the ans
 
 Not covered (know these before trusting a reward)
 -------------------------------------------------
+- ``io``: a reward is as strong as the checks: ``len(f(x)) == 3`` passes for any three items, and
+  the candidate sees every input it is called with, so a solution that already knows the expected
+  outputs (say, from its prompt) can special-case those inputs.
 - ``in_process``: semantic gaming of weak checks: ``assert f(x) == y`` passes for an object whose
   ``__eq__`` returns True (write ``type(r) is int`` checks -- or use input -> expected-output tests,
   which the ``io`` path judges on plain data).
