@@ -121,6 +121,13 @@ class SandboxConfig(_Section):
         "rlimits only.",
     )
 
+    @model_validator(mode="after")
+    def _weak_training_needs_weak(self) -> SandboxConfig:
+        if self.train_on_weak and not self.allow_weak:
+            raise ValueError("train_on_weak = true needs allow_weak = true (without it weak sandboxes give "
+                             "infrastructure errors, so there is nothing to train on)")
+        return self
+
 
 class JudgeConfig(_Section):
     base_url: str | None = Field(None, description="OpenAI-compatible endpoint for llm_judge verifiers.")

@@ -269,3 +269,11 @@ def test_a_worker_that_fails_before_the_candidate_runs_is_an_infra_error(monkeyp
         assert r.infra_error and "could not start its worker" in r.infra_error, (grading, r)
     r = sb.run_shell("echo 1 > a", 'test -f "$WORK/a"', FAST)
     assert r.infra_error and "could not start its worker" in r.infra_error
+
+
+def test_train_on_weak_without_allow_weak_is_rejected_with_the_reason():
+    from flywheel.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="train_on_weak = true needs allow_weak = true"):
+        load_config(None, {"sandbox": {"train_on_weak": True}})
+    assert load_config(None, {"sandbox": {"train_on_weak": True, "allow_weak": True}}).sandbox.train_on_weak
