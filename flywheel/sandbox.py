@@ -107,7 +107,8 @@ expensive (no ``%`` formatting of a result string, no arithmetic on integers ove
 ``grader`` (shell): files planted for the grader (``json.py``/``sitecustomize.py`` for its python, an
 rc file, ``bin/test``), symlinks into the grader's own files (``/proc/self/cwd/...``), files planted
 in ``/tmp``, ``/dev/shm``, ``/var/tmp`` (fresh for the grader), modes that lock the grader out (the
-files are handed to the grader's uid), background processes that rewrite the answer late.
+files are made readable to everyone; their owner stays the candidate's uid, so git refuses to run
+hooks from its ``.git/config``), background processes that rewrite the answer late.
 
 Not covered (know these before trusting a reward)
 -------------------------------------------------

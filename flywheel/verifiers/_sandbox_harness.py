@@ -737,11 +737,13 @@ def main():
     os._exit(0)
 
 
-def _hand_over(workdir, grader_uid):
-    """Make every file the candidate left readable by the grader uid (its own modes mean nothing
-    now): owner = grader, owner read (+ search on directories). Symlinks are neither followed nor
-    changed. Iterative (a candidate can nest directories ~2000 deep), and every candidate process is
-    dead by now, so nothing can swap an entry between the lstat and the chown."""
+def _hand_over(workdir):
+    """Make every file the candidate left readable by the grader's uid (the candidate's own modes mean
+    nothing now) through the "other" permission bits. The owner stays the candidate's uid: tools that
+    refuse files of another user (git's safe.directory check before it runs hooks from .git/config)
+    keep refusing them. Symlinks are neither followed nor changed. Iterative (a candidate can nest
+    directories ~2000 deep), and every candidate process is dead by now, so nothing can swap an
+    entry between the lstat and the chmod."""
     import stat
 
     stack = [workdir]
@@ -756,9 +758,8 @@ def _hand_over(workdir, grader_uid):
                 st = os.lstat(p)
                 if stat.S_ISLNK(st.st_mode):
                     continue
-                os.lchown(p, grader_uid, grader_uid)
                 is_dir = stat.S_ISDIR(st.st_mode)
-                os.chmod(p, (st.st_mode & 0o777) | (0o500 if is_dir else 0o400))
+                os.chmod(p, (st.st_mode & 0o777) | (0o555 if is_dir else 0o444))
                 if is_dir and p != d:
                     stack.append(p)
             except OSError:
@@ -774,7 +775,7 @@ def _grader_environment(libc, setup, workdir, strong, grader_uid):
     py = setup["python"]
     nosymfollow = ""
     if strong:
-        _hand_over(workdir, grader_uid)
+        _hand_over(workdir)
         # Keep the work dir reachable through /dev/shm while /tmp is replaced underneath it.
         _mount_tmpfs(libc, "/dev/shm", 1, inodes=256)
         os.mkdir("/dev/shm/w", 0o700)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import shutil
 import textwrap
 import threading
 
@@ -791,3 +792,22 @@ def test_attack_results_that_make_the_trusted_checks_expensive():
     r = run(attack, tests)
     assert r.report["grading"] == "io" and not r.passed and r.tests_passed == 0, r.per_test
     assert "too large" in r.per_test["test_divide"] and "formatting" in r.per_test["test_format"]
+
+
+@needs_ns
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_attack_git_config_runs_a_command_as_the_grader():
+    # A grader that asks git about the work dir; the candidate's .git/config names an fsmonitor
+    # command, which git would run as the grader's uid, with the grader's HOME.
+    grader = 'echo 42 > "$HOME/expected"; git -C "$WORK" status >/dev/null 2>&1; cmp -s "$HOME/expected" "$WORK/answer.txt"'
+    assert run_shell("echo 42 > answer.txt; git init -q .", grader, CFG).passed
+    attack = textwrap.dedent(
+        """
+        echo 41 > answer.txt
+        git init -q .
+        git config core.fsmonitor 'echo 41 > "$HOME/expected"; false'
+        git config core.hooksPath .
+        """
+    )
+    r = run_shell(attack, grader, CFG)
+    assert r.infra_error is None and not r.passed, r.per_test
