@@ -106,10 +106,11 @@ def test_monkeypatching_the_runner():
         os.write = lambda fd, data: len(data)            # swallow failure reports
         builtins.AssertionError = type("Nope", (Exception,), {})
         unittest.TestCase.run = lambda self, result=None: None
-        main = sys.modules["__main__"]
-        for name in dir(main):
-            if callable(getattr(main, name, None)):
-                setattr(main, name, lambda *a, **k: None)
+        for modname in ("__main__", "_sandbox_harness"):   # the harness module, however it was loaded
+            main = sys.modules.get(modname)
+            for name in dir(main) if main is not None else []:
+                if callable(getattr(main, name, None)):
+                    setattr(main, name, lambda *a, **k: None)
         def add(a, b):
             return 0
         """
