@@ -17,6 +17,9 @@ Prefect). Entrypoint for deployments: ``flows/cycle.py:flywheel_cycle``.
   of the cycle carries the flow run id as its correlation id.
 - Early exit: a cycle with no new failures since the last completed cycle, or no learning signal,
   ends early and says why in ``cycle.completed``.
+- Sandbox: ``stages["sandbox"]`` (recorded in ``cycle.completed``) is the isolation sandboxed verifiers
+  got on this machine (:func:`flywheel.sandbox.isolation_report`); the CLI summary warns loudly when
+  it is weak or incomplete.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from flywheel.cycle import (
     new_failures_since_last_cycle,
     summarize,
 )
+from flywheel.sandbox import isolation_report
 from flywheel.store import NewEvent
 
 # The resources of the running cycle (one writer connection per process): set by the flow, read by
@@ -276,6 +280,7 @@ def flywheel_cycle(
         store.append(cycle_id, NewEvent("cycle.started", {
             "entity_id": cycle_id, "traces": paths, "force": force, "model": cfg.cycle.model_name,
         }), expected_version=0, correlation_id=corr)
+        stages["sandbox"] = isolation_report(cfg.sandbox)
 
         # 1. ingest
         if paths:

@@ -95,12 +95,38 @@ class EvalsConfig(_Section):
 
 class SandboxConfig(_Section):
     cpu_seconds: int = Field(10, ge=1, description="RLIMIT_CPU of the sandboxed process.")
-    memory_mb: int = Field(1024, ge=64, description="RLIMIT_AS of the sandboxed process, in MiB.")
-    max_processes: int = Field(64, ge=1, description="RLIMIT_NPROC (per sandbox uid where possible).")
+    memory_mb: int = Field(
+        1024, ge=64, description="Memory of one sandbox, in MiB: RLIMIT_AS of each process and, where a cgroup "
+        "can be created, memory.max of all its processes together.",
+    )
+    max_processes: int = Field(
+        64, ge=1, description="RLIMIT_NPROC (per sandbox uid where possible) and pids.max of the sandbox's cgroup."
+    )
     max_file_mb: int = Field(16, ge=1, description="RLIMIT_FSIZE, in MiB.")
     max_open_files: int = Field(64, ge=8, description="RLIMIT_NOFILE.")
     wall_seconds: float = Field(20.0, gt=0, description="Wall-clock timeout; the process group is killed.")
     network: Literal["none", "allow"] = Field("none", description="'none' isolates the network.")
+    allow_weak: bool = Field(
+        False, description="Run python_tests/shell verifiers where namespaces are unavailable (not root, no "
+        "unshare). Such a sandbox lets the candidate forge its verdict; without this the verdict is an "
+        "infrastructure error (never reward 0, never training data).",
+    )
+    train_on_weak: bool = Field(
+        False, description="With allow_weak, also use weak-sandbox verdicts as training signal (rollouts); "
+        "off: they count in evaluation only.",
+    )
+    cgroup: Literal["auto", "require", "off"] = Field(
+        "auto", description="Per-sandbox cgroup (memory.max, pids.max): auto = where the cgroup filesystem is "
+        "writable (the verdict says when it is not), require = an infrastructure error where it is not, off = "
+        "rlimits only.",
+    )
+
+    @model_validator(mode="after")
+    def _weak_training_needs_weak(self) -> SandboxConfig:
+        if self.train_on_weak and not self.allow_weak:
+            raise ValueError("train_on_weak = true needs allow_weak = true (without it weak sandboxes give "
+                             "infrastructure errors, so there is nothing to train on)")
+        return self
 
 
 class JudgeConfig(_Section):

@@ -103,9 +103,26 @@ class StageDisplay:
                 self._last_key, self._last_print = key, now
 
 
+def sandbox_warning(result: dict) -> str | None:
+    """The loud line for a cycle whose sandboxed verifiers were weak, or whose rewards were dropped."""
+    st = result.get("stages", {})
+    sb = st.get("sandbox") or {}
+    parts = [sb["warning"]] if sb.get("warning") else []
+    for key in ("rollouts", "rollouts_after_sft"):
+        s = (st.get(key) or {}).get("stats") or {}
+        if s.get("untrainable"):
+            parts.append(f"{key}: {s['untrainable']} samples kept out of training (weak-sandbox verdicts)")
+        if s.get("infra_errors"):
+            parts.append(f"{key}: {s['infra_errors']} samples had verifier infrastructure errors")
+    return "; ".join(parts) or None
+
+
 def print_cycle_summary(result: dict) -> None:
     st = result.get("stages", {})
     rows = []
+    if st.get("sandbox"):
+        sb = st["sandbox"]
+        rows.append(("sandbox", f"{sb.get('mode')}, cgroup {str(sb.get('cgroup', '')).split(':')[0]}: {sb.get('verdicts')}"))
     if "ingest" in st:
         i = st["ingest"]
         rows.append(("ingest", f"{i.get('read')} read, {i.get('ingested')} ingested, {i.get('quarantined')} quarantined, "
@@ -142,6 +159,11 @@ def print_cycle_summary(result: dict) -> None:
     rows.append(("outcome", f"{result.get('outcome')}: {result.get('reason')}"))
     rows.append(("wall time", f"{result.get('wall_s')} s"))
     print_table(f"cycle {result.get('cycle')}", ["stage", "result"], rows)
+    warning = sandbox_warning(result)
+    if warning:
+        from rich.panel import Panel
+
+        console.print(Panel(warning, title="WARNING: reward integrity", border_style="bold red"), soft_wrap=False)
 
 
 @handle_errors
