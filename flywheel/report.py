@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from flywheel.cycle import sandbox_warning
 from flywheel.stats import wilson
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
@@ -284,6 +285,9 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
     summary_rows = [("outcome", f'<span class="{badge}">{esc(outcome)}</span>'), ("reason", esc(payload.get("reason"))),
                     ("new failures", esc(stages.get("new_failures"))), ("wall time", f"{esc(payload.get('wall_s'))} s"),
                     ("recorded at", esc(ev.recorded_at))]
+    warning = sandbox_warning({"stages": stages})
+    if warning:
+        summary_rows.append(("warning", f'<span class="fail">{esc(warning)}</span>'))
     if "ingest" in stages:
         i = stages["ingest"]
         summary_rows.append(("ingest", esc(f"{i.get('read')} read, {i.get('ingested')} ingested, {i.get('quarantined')} quarantined")))
