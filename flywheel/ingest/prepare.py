@@ -30,7 +30,9 @@ import pyarrow as pa
 
 from flywheel.classify import classify, failure_identity, last_assistant_index
 from flywheel.ingest import formats
+from flywheel.ingest.otlp import Assembler
 from flywheel.ingest.reader import Line
+from flywheel.tool_registry import SOURCES_KEY, load_registry, resolve_undeclared
 from flywheel.ingest.validate import Limits, validate
 from flywheel.redact import Redactor
 
@@ -110,6 +112,9 @@ def failure_static_payload(rec: dict[str, Any], fid: str, chash: str, details: l
         "source": rec.get("source") or "openai",
         "source_id": rec.get("source_id"),
         "content_hash": chash,
+        # where each called tool's schema came from, when not all from the trace (flywheel.tool_registry)
+        **({"tool_schema_sources": rec["metadata"][SOURCES_KEY]}
+           if SOURCES_KEY in (rec.get("metadata") or {}) else {}),
     }
 
 
@@ -153,8 +158,12 @@ class Preparer:
     """Turns lines into prepared batches. Holds no store state (it runs off the main thread, or in
     the worker process)."""
 
-    def __init__(self, icfg: Any, fmt: str, file_name: str, file_sha: str):
+    def __init__(self, icfg: Any, fmt: str, file_name: str, file_sha: str, *, path: Any = None,
+                 otel_companions: Any = ()):
+        # ``path``: the file the lines come from (OTLP files are scanned once for where each trace
+        # ends; None for a single JSON document). ``otel_companions``: see flywheel.ingest.otlp.plan_files.
         self.icfg = icfg
+        self.tool_registry = load_registry(getattr(icfg, "tool_registry", None))
         self.redactor = Redactor.from_config(icfg)
         self.limits = Limits.from_config(icfg)
         self.fmt = fmt
@@ -166,9 +175,7 @@ class Preparer:
         self.records = 0
         self.lines = 0
         self.cut: str | None = None
-        # OTel assembly state
-        self._open: dict[str, dict[str, Any]] = {}
-        self._closed: set[str] = set()
+        self.otel = Assembler(path, otel_companions, icfg.max_line_bytes) if fmt == "otel" else None
         # Per-batch state, set by _process.
         self._rows = _Rows()
         self._first: dict[str, dict[str, Any]] = {}
@@ -190,6 +197,7 @@ class Preparer:
 
     # records --------------------------------------------------------------------------------------
     def _accept(self, b: Batch, line: Line, rec: Any, needs_redaction: bool, seen: set[str]) -> None:
+        rec = resolve_undeclared(rec, self.tool_registry)
         prob, dt = validate(rec, self.limits)
         if prob:
             self._quarantine(b, line, prob[0], prob[1])
@@ -252,34 +260,15 @@ class Preparer:
         r.tail.append(b'},"trace_id":' + orjson.dumps(tid) + b"}")
 
     def _otel_line(self, b: Batch, line: Line, obj: Any, seen: set[str]) -> None:
-        if not isinstance(obj, dict) or "resourceSpans" not in obj:
-            self._quarantine(b, line, "schema", "an OTel line must be an OTLP/JSON export request with 'resourceSpans'")
-            return
-        touched: list[str] = []
-        n = 0
-        for tid, sp, res in formats.otel_spans(obj):
-            n += 1
-            if tid in self._closed:
-                self._quarantine(b, line, "otel_late_span", f"span of trace {tid} after its root span was read")
-                continue
-            st = self._open.setdefault(tid, {"spans": [], "line": line, "root": False})
-            st["spans"].append((sp, res))
-            if not sp.get("parentSpanId"):
-                st["root"] = True
-            touched.append(tid)
-        if n == 0:
-            self._quarantine(b, line, "otel_no_spans", "no spans with a traceId in this export request")
-        for tid in dict.fromkeys(touched):
-            st = self._open.get(tid)
-            if st and st["root"]:
-                self._emit_otel(b, tid, seen)
+        problems, ready = self.otel.feed(obj, line)  # type: ignore[union-attr]
+        for reason, detail in problems:
+            self._quarantine(b, line, reason, detail)
+        for tid in ready:
+            self._emit_otel(b, tid, seen)
 
     def _emit_otel(self, b: Batch, tid: str, seen: set[str]) -> None:
-        st = self._open.pop(tid)
-        self._closed.add(tid)
         b.read += 1
-        rec, prob = formats.otel_to_trace(tid, st["spans"])
-        line = st["line"]
+        rec, prob, line = self.otel.take(tid)  # type: ignore[union-attr]
         if prob:
             self._quarantine(b, line, prob[0], prob[1])
             return
@@ -343,8 +332,8 @@ class Preparer:
             self.cut = end.error
             b.read += 1
             self._quarantine(b, end, "truncated_file", end.error or "", replayable=False)
-        if last and self._open:  # root-less OTel traces: complete at end of file
-            for tid in list(self._open):
+        if last and self.otel is not None:  # OTLP traces still open: complete at the end of the file
+            for tid in self.otel.remaining():
                 self._emit_otel(b, tid, seen)
         b.table = self._rows.table()
         b.first_payloads = self._first
