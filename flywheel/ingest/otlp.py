@@ -651,7 +651,10 @@ def to_trace(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any], str]],
     ts = datetime.fromtimestamp(start / 1e9, UTC).isoformat().replace("+00:00", "Z")
     res = parsed[0][2]
     la = last.attrs
-    model = la.get("gen_ai.request.model") or la.get("gen_ai.response.model") or la.get("llm.model_name") or ""
+    model = la.get("gen_ai.request.model") or la.get("gen_ai.response.model") or la.get("llm.model_name")
+    if model is None:  # OpenInference records the requested model only in the invocation parameters
+        inv = _json_attr(la.get("llm.invocation_parameters"))
+        model = inv.get("model") if isinstance(inv, dict) else None
     infos = [c.info() for c in calls]
     meta: dict[str, Any] = {"otel": {
         "spans": len(spans), "service": res.get("service.name"), "convention": convention, "scope": last.scope,
@@ -675,7 +678,7 @@ def to_trace(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any], str]],
     rec: dict[str, Any] = {
         "trace_id": tid,
         "timestamp": ts,
-        "model": str(model),
+        "model": str(model or ""),
         "messages": messages,
         "tools": tools or [],
         "outcome": outcome,

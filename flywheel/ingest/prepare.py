@@ -32,9 +32,9 @@ from flywheel.classify import classify, failure_identity, last_assistant_index
 from flywheel.ingest import formats
 from flywheel.ingest.otlp import Assembler
 from flywheel.ingest.reader import Line
-from flywheel.tool_registry import SOURCES_KEY, load_registry, resolve_undeclared
 from flywheel.ingest.validate import Limits, validate
 from flywheel.redact import Redactor
+from flywheel.tool_registry import SOURCES_KEY, load_registry, resolve_undeclared
 
 # One row per trace that reaches the commit. ``payload_head``/``payload_tail`` are the
 # ``trace.ingested`` event payload (canonical JSON) around the artifact reference, which only the
