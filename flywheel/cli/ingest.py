@@ -51,6 +51,9 @@ def ingest(
     replay_quarantine: bool = typer.Option(False, "--replay-quarantine",
                                            help="Retry every unresolved quarantined record (after a fix)."),
     batch_size: int = typer.Option(None, "--batch-size", help="Records per batch (ingest.batch_size)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Report what would be captured per trace (messages, "
+                                 "tools, tool calls, errors) and what would be quarantined; store nothing."),
+    limit: int = typer.Option(50, "--limit", help="With --dry-run: rows shown per table (--json lists all)."),
     home: str = HomeOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
@@ -73,6 +76,10 @@ def ingest(
     if fmt not in ("auto", "openai", "otel", "bfcl"):
         raise CliError(f"--format must be auto, openai, otel or bfcl (got {fmt!r})")
     cfg = load(home, config, {"ingest": {"batch_size": batch_size}} if batch_size else None)
+    if dry_run:
+        if replay_quarantine:
+            raise CliError("--dry-run reads files; it cannot be combined with --replay-quarantine")
+        return _dry_run(cfg, list(paths), fmt, as_json, limit)
     correlation_id = f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     artifacts = open_artifacts(cfg)
     with open_store(cfg) as store, progress(enabled=not as_json) as bar:
@@ -119,6 +126,37 @@ def ingest(
     _summary_tables(d)
     if d["quarantined"]:
         console.print(f"{d['quarantined']} record(s) quarantined: `flywheel quarantine list` to inspect them.")
+
+
+def _dry_run(cfg, paths: list[Path], fmt: str, as_json: bool, limit: int) -> None:
+    from flywheel.ingest import IngestError
+    from flywheel.ingest.dryrun import dry_run
+
+    try:
+        report = dry_run(cfg, paths, fmt=fmt)
+    except IngestError as e:
+        raise CliError(str(e)) from None
+    if as_json:
+        emit_json(report)
+        return
+    rows = []
+    for t in report["traces"][:limit]:
+        no_schema = [n for n, src in t["tool_schema_sources"].items() if src != "trace"]
+        tools = ", ".join(t["tools"]) + (f" (+{', '.join(no_schema)}: " + "/".join(
+            sorted({t["tool_schema_sources"][n] for n in no_schema})) + ")" if no_schema else "")
+        rows.append((t["trace_id"][:32], f"{t['file']}:{t['line']}", t["convention"] or t["source"],
+                     " ".join(f"{k}:{v}" for k, v in t["roles"].items()), tools or "-",
+                     ", ".join(t["tool_calls"]) or "-", t["status"] + (f" {','.join(t['kinds'])}" if t["kinds"] else ""),
+                     (t["error"] or "")[:80]))
+    print_table(f"would ingest {len(report['traces'])} trace(s)" + (f" (first {limit})" if len(report["traces"]) > limit else ""),
+                ["trace", "from", "convention", "messages", "tools (schema)", "tool calls", "outcome", "error"], rows)
+    if report["quarantined"]:
+        print_table(f"would quarantine {len(report['quarantined'])} record(s)", ["file", "line", "reason", "detail"],
+                    [(q["file"], q["line"], q["reason"], q["detail"][:300]) for q in report["quarantined"][:limit]])
+    s = report["summary"]
+    print_table("dry run (nothing stored)", ["traces", "with tool calls", "tools without schema", "failures",
+                                             "quarantined"],
+                [(s["traces"], s["with_tool_calls"], s["with_tools_without_schema"], s["failures"], s["quarantined"])])
 
 
 @quarantine_app.command("list")

@@ -464,6 +464,25 @@ def ingest_paths(
     return summary
 
 
+def detect_file_format(path: Path, fmt: str, doc: bytes | None, max_line: int, size: int) -> str:
+    """``fmt`` unless ``auto``: then from the whole document, or the first parseable line."""
+    if fmt != "auto":
+        return fmt
+    if doc is not None:
+        obj, _ = formats.parse_json(doc)
+        return "openai" if isinstance(obj, list) and (not obj or "bfcl_id" not in obj[0]) else formats.detect_format(
+            obj[0] if isinstance(obj, list) and obj else obj)
+    return _sniff_format(path, max_line) if size else "openai"
+
+
+def document_lines(doc: bytes) -> Iterator[Line]:
+    """The records of a whole JSON document: the items of a top-level array, else the document."""
+    obj, prob = formats.parse_json(doc)
+    if prob is None and isinstance(obj, list):
+        return iter([Line(i + 1, orjson.dumps(x)) for i, x in enumerate(obj)])
+    return iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
+
+
 def plan_otlp(cfg: Any, files: list[Path], fmt: str) -> dict[Path, list[Path]]:
     """Check the tool registry, and pair OTLP span and log-record files (:func:`otlp.plan_files`):
     raises :class:`IngestError` before anything is read when either cannot be used."""
@@ -490,13 +509,7 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
     ingest_id = f"ingest:{sha[:16]}"
     max_line = cfg.ingest.max_line_bytes
     doc = _whole_document(path, max_line) if size else None
-    if fmt == "auto":
-        if doc is not None:
-            obj, _ = formats.parse_json(doc)
-            fmt = "openai" if isinstance(obj, list) and (not obj or "bfcl_id" not in obj[0]) else formats.detect_format(
-                obj[0] if isinstance(obj, list) and obj else obj)
-        else:
-            fmt = _sniff_format(path, max_line) if size else "openai"
+    fmt = detect_file_format(path, fmt, doc, max_line, size)
     done = 0
 
     def commit_all(batches: Iterator[Batch]) -> None:
@@ -523,11 +536,7 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
                         otel_companions=companions or [])
         stream, raw = open_source(path)
         if doc is not None:
-            obj, prob = formats.parse_json(doc)
-            if prob is None and isinstance(obj, list):
-                lines: Iterator[Line] = iter([Line(i + 1, orjson.dumps(x)) for i, x in enumerate(obj)])
-            else:
-                lines = iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
+            lines: Iterator[Line] = document_lines(doc)
         else:
             lines = iter_lines(stream, max_line)
         try:

@@ -337,3 +337,39 @@ def test_collector_json_lines_and_a_single_document_give_the_same_events(server,
     strip = lambda p: {k: v for k, v in p.items() if k != "trace"}  # noqa: E731 - artifact ids differ per file
     assert {k: strip(v) for k, v in first.items()} == {k: strip(v) for k, v in second.items()}
     assert full1 == full2
+
+
+def test_dry_run_reports_what_would_be_captured_per_trace(server, tmp_path, cfg, monkeypatch):
+    """``flywheel ingest --dry-run --json`` on real 2.4 spans: per trace its messages, tools (and where
+    their schemas come from), tool calls and errors; a no-content file says what to switch on."""
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    report, spans, logs = run_agent(server, tmp_path / "run", "openai-v2", "span_only")
+    path = collector_file(tmp_path / "otel.jsonl", spans, logs)
+    r = CliRunner().invoke(app, ["ingest", "--dry-run", "--json", str(path), "--home", str(cfg.home)])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    by_id = {t["trace_id"]: t for t in out["traces"]}
+    w = by_id[report["weather"]["trace_id"]]
+    assert w["roles"] == {"assistant": 2, "system": 1, "tool": 1, "user": 1} and w["tool_calls"] == ["get_weather"]
+    assert w["tools"] == [] and w["tool_schema_sources"] == {"get_weather": "none"} and w["status"] == "success"
+    assert w["convention"] == "genai-span" and w["usage"]["calls"] == 2
+    assert sorted(t["status"] for t in out["traces"]) == ["failure", "success", "success"]
+    assert out["summary"] == {"traces": 3, "quarantined": 0, "quarantined_by_reason": {}, "with_tool_calls": 1,
+                              "with_tools_without_schema": 1, "failures": 1}
+    assert not (cfg.home / "warehouse.duckdb").exists()  # nothing stored
+    # the human-readable form names the trace, the calls and the error
+    from flywheel.cli import common
+
+    monkeypatch.setattr(common.out, "width", 250)  # rich wraps table cells at the default 80 columns
+    r = CliRunner().invoke(app, ["ingest", "--dry-run", str(path), "--home", str(cfg.home)])
+    assert r.exit_code == 0 and "get_weather" in r.output and "NotFoundError" in r.output and "nothing stored" in r.output
+    # content capture off: the reason names the setting
+    _, s_off, l_off = run_agent(server, tmp_path / "off", "openai-v2", "true")
+    off = collector_file(tmp_path / "off.jsonl", s_off, l_off)
+    r = CliRunner().invoke(app, ["ingest", "--dry-run", "--json", str(off), "--home", str(cfg.home)])
+    out = json.loads(r.stdout)
+    assert out["summary"]["quarantined_by_reason"] == {"otel_content_not_captured": 3}
+    assert "span_only" in out["quarantined"][0]["detail"]
