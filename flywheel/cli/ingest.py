@@ -24,6 +24,7 @@ quarantine_app = typer.Typer(help="Inspect records that failed ingest validation
 
 def register(app: typer.Typer) -> None:
     app.command("ingest")(ingest)
+    app.command("collect")(collect)
     app.add_typer(quarantine_app, name="quarantine")
 
 
@@ -157,6 +158,62 @@ def _dry_run(cfg, paths: list[Path], fmt: str, as_json: bool, limit: int) -> Non
     print_table("dry run (nothing stored)", ["traces", "with tool calls", "tools without schema", "failures",
                                              "quarantined"],
                 [(s["traces"], s["with_tool_calls"], s["with_tools_without_schema"], s["failures"], s["quarantined"])])
+
+
+@handle_errors
+def collect(
+    port: int = typer.Option(4318, "--port", help="Listen port (4318 is OTLP/HTTP's usual one; 0 = any free port)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address; anything but loopback requires an API key."),
+    inbox: Path = typer.Option(None, "--inbox", help="Where batch files are written (default <home>/inbox)."),
+    settle_s: float = typer.Option(10.0, "--settle-s", help="A trace is written once nothing of it arrived for this "
+                                   "long (exporters batch spans and logs separately, up to 5 s each by default)."),
+    max_pending: int = typer.Option(10_000, "--max-pending", help="Traces held in memory at most (oldest written first)."),
+    max_body_mb: int = typer.Option(16, "--max-body-mb", help="Largest request body accepted (after gzip), in MiB."),
+    api_key_env: str = typer.Option("FLYWHEEL_COLLECT_API_KEY", "--api-key-env",
+                                    help="Env var holding the API key (requests then need 'Authorization: Bearer <key>')."),
+    home: str = HomeOpt,
+    config: str = ConfigOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Receive OTLP/HTTP (JSON or protobuf, /v1/traces and /v1/logs) and write batches to the inbox.
+
+    Point an agent's exporter here (OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318) or a Collector's
+    otlphttp exporter; then `flywheel ingest <home>/inbox`. Runs until SIGINT/SIGTERM, then writes every
+    trace it still holds. Each batch file is written atomically (temp file + rename).
+    """
+    import os
+
+    from flywheel.ingest.collect import run
+    from flywheel.serve import is_loopback
+
+    if settle_s <= 0 or max_pending < 1 or max_body_mb < 1:
+        raise CliError("--settle-s must be > 0, --max-pending and --max-body-mb >= 1")
+    cfg = load(home, config)
+    cfg.ensure_home()
+    key = os.environ.get(api_key_env) or None
+    if key is None and not is_loopback(host):
+        raise CliError(f"binding to {host} requires an API key: set {api_key_env} (or bind to 127.0.0.1)", code=2)
+    target = Path(inbox) if inbox else cfg.home / "inbox"
+
+    def listening(url: str) -> None:
+        console.print(f"flywheel collect listening on {url} (POST /v1/traces, /v1/logs); batches go to {target}")
+
+    def wrote(path: Path, n: int) -> None:
+        console.print(f"wrote {path.name}: {n} trace(s)")
+
+    try:
+        stats = run(target, host=host, port=port, settle_s=settle_s, max_pending=max_pending, api_key=key,
+                    max_body_bytes=max_body_mb << 20, on_listen=listening, on_write=wrote)
+    except OSError as e:
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    d = {"inbox": str(target), "requests": stats.requests, "rejected": stats.rejected, "spans": stats.spans,
+         "log_records": stats.log_records, "traces_written": stats.traces_written, "files": stats.files}
+    if as_json:
+        emit_json(d)
+        return
+    print_table("collect summary", ["requests", "rejected", "spans", "log records", "traces written", "files"],
+                [(d["requests"], d["rejected"], d["spans"], d["log_records"], d["traces_written"], len(d["files"]))])
+    console.print(f"ingest them with: flywheel ingest {target}")
 
 
 @quarantine_app.command("list")

@@ -7,7 +7,7 @@ that holds another version of an instrumentation package)::
     python otel_agent.py '{"base_url": ..., "model": ..., "instrumentation": "openai-v2" | "openinference",
                            "content": <env value or null>, "out": <dir>}'
 
-It writes ``traces.pb`` and ``logs.pb`` (serialised ``ExportTraceServiceRequest`` /
+With ``"otlp_endpoint"`` it also exports them with the real OTLP/HTTP exporters. It writes ``traces.pb`` and ``logs.pb`` (serialised ``ExportTraceServiceRequest`` /
 ``ExportLogsServiceRequest``, exactly what an OTLP/HTTP protobuf exporter sends) and prints one JSON
 line describing each conversation it had (ids of the responses and tool calls), so the test can
 compare what was ingested with what happened.
@@ -131,6 +131,18 @@ def main() -> None:
     records = logs.get_finished_logs()
     (out / "logs.pb").write_bytes(encode_logs(records).SerializeToString() if records else b"")
     report["counts"] = {"spans": len(finished), "logs": len(records)}
+    if args.get("otlp_endpoint"):
+        # The real OTLP/HTTP protobuf exporters, as an agent configured with OTEL_EXPORTER_OTLP_ENDPOINT
+        # uses them (spans gzip-compressed, logs plain).
+        from opentelemetry.exporter.otlp.proto.http import Compression
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        ep = args["otlp_endpoint"].rstrip("/")
+        res = OTLPSpanExporter(endpoint=f"{ep}/v1/traces", compression=Compression.Gzip).export(finished)
+        report["exported"] = {"spans": res.name}
+        if records and args.get("export_logs", True):
+            report["exported"]["logs"] = OTLPLogExporter(endpoint=f"{ep}/v1/logs").export(records).name
     print(json.dumps(report))
 
 

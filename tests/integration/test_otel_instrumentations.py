@@ -373,3 +373,58 @@ def test_dry_run_reports_what_would_be_captured_per_trace(server, tmp_path, cfg,
     out = json.loads(r.stdout)
     assert out["summary"]["quarantined_by_reason"] == {"otel_content_not_captured": 3}
     assert "span_only" in out["quarantined"][0]["detail"]
+
+
+def test_collect_receives_otlp_http_and_writes_what_ingest_reads(server, tmp_path, cfg, store, it):
+    """``flywheel collect`` as its own process: the real OTLP/HTTP protobuf exporter (gzip) sends the
+    spans, OTLP/JSON log records are POSTed as JSON; SIGTERM writes what it holds, atomically, to the
+    inbox; ingesting the inbox gives the same traces as the Collector-style file of the same data."""
+    import signal
+
+    import httpx
+
+    port = it.free_port()
+    inbox = tmp_path / "inbox"
+    log = tmp_path / "collect.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([str(it.VENV_BIN / "flywheel"), "collect", "--port", str(port), "--inbox", str(inbox),
+                                 "--home", str(tmp_path / "collect-home"), "--settle-s", "600", "--json"],
+                                stdout=subprocess.PIPE, stderr=fh, env=it.clean_env(), start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        import time
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the port answers (or the process died)
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        args = {"base_url": server + "/v1", "model": "tiny", "instrumentation": "openai-v2",
+                "content": "span_and_event", "out": str(tmp_path / "run"), "otlp_endpoint": url, "export_logs": False}
+        r = subprocess.run([sys.executable, str(AGENT), json.dumps(args)], capture_output=True, text=True, timeout=300,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+        assert r.returncode == 0, r.stderr[-3000:]
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+        assert report["exported"] == {"spans": "SUCCESS"}
+        spans, logs = otlp_json(tmp_path / "run")
+        resp = httpx.post(url + "/v1/logs", content=json.dumps(logs), headers={"Content-Type": "application/json"})
+        assert resp.status_code == 200 and resp.json() == {}
+        bad = httpx.post(url + "/v1/traces", content=b"\x00garbage", headers={"Content-Type": "application/x-protobuf"})
+        assert bad.status_code == 400
+        assert list(inbox.glob("*.jsonl")) == []  # held until the trace settles or the receiver stops
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        it.kill_group(proc)
+    assert proc.returncode == 0, log.read_text()
+    summary = json.loads(out)
+    assert summary["requests"] == 2 and summary["rejected"] == 1 and summary["traces_written"] == 3
+    files = sorted(inbox.iterdir())
+    assert [f.suffix for f in files] == [".jsonl"] and not [f for f in files if f.name.startswith(".")]
+    s, traces = ingest(cfg, store, [inbox])
+    assert s.quarantined_by_reason == {} and s.ingested == 3
+    check_weather_agent(traces[report["weather"]["trace_id"]], report, tools_emitted=False)
+    check_plain_and_error(traces, report)
