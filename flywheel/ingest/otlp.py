@@ -100,6 +100,7 @@ _EVENT_ROLE = {"gen_ai.system.message": "system", "gen_ai.user.message": "user",
 _INFERENCE_OPS = {"chat", "text_completion", "generate_content"}
 _REQUEST_PARAMS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty",
                    "stop_sequences", "choice.count", "encoding_formats")
+_REQUEST_KEYS = tuple((p, f"gen_ai.request.{p}") for p in _REQUEST_PARAMS)
 MAX_CALLS_KEPT = 64
 
 # How to turn content capture on, per instrumentation (the reason of otel_content_not_captured).
@@ -115,7 +116,23 @@ CAPTURE_HINT = (
 # -- OTLP/JSON values ------------------------------------------------------------------------------
 def any_value(v: Any) -> Any:
     """An OTLP/JSON ``AnyValue`` as a Python value (int64 strings as ints, kvlists as dicts)."""
-    if not isinstance(v, dict):
+    if type(v) is not dict or len(v) != 1:
+        return _any_value_slow(v)
+    ((k, x),) = v.items()  # one key: the common shape, read without a lookup per candidate key
+    if k == "stringValue":
+        return x
+    if k == "kvlistValue" and type(x) is dict:
+        try:
+            return {e["key"]: any_value(e["value"]) for e in x.get("values") or ()}
+        except (KeyError, TypeError):
+            return _any_value_slow(v)
+    if k == "arrayValue" and type(x) is dict:
+        return [any_value(e) for e in x.get("values") or ()]
+    return _any_value_slow(v)
+
+
+def _any_value_slow(v: Any) -> Any:
+    if type(v) is not dict:
         return v
     if "stringValue" in v:
         return v["stringValue"]
@@ -128,32 +145,42 @@ def any_value(v: Any) -> Any:
         return v["doubleValue"]
     if "boolValue" in v:
         return v["boolValue"]
-    if "arrayValue" in v:
-        return [any_value(x) for x in (v["arrayValue"] or {}).get("values", ())]
-    if "kvlistValue" in v:
-        return {kv.get("key"): any_value(kv.get("value")) for kv in (v["kvlistValue"] or {}).get("values", ())
-                if isinstance(kv, dict)}
+    kv = v.get("kvlistValue")
+    if kv is not None:
+        return {x.get("key"): any_value(x.get("value")) for x in (kv.get("values") or ()) if type(x) is dict} \
+            if type(kv) is dict else {}
+    arr = v.get("arrayValue")
+    if arr is not None:
+        return [any_value(x) for x in (arr.get("values") or ())] if type(arr) is dict else []
     if "bytesValue" in v:
         return v["bytesValue"]
     return None
 
 
 def attrs(items: Any) -> dict[str, Any]:
-    if not isinstance(items, list):
+    if type(items) is not list:
         return {}
-    return {a["key"]: any_value(a.get("value")) for a in items if isinstance(a, dict) and isinstance(a.get("key"), str)}
-
-
-_HEX = frozenset("0123456789abcdef")
+    try:  # well-formed attributes: {key, value} objects with a string key
+        out = {a["key"]: any_value(a["value"]) for a in items}
+        if all(type(k) is str for k in out):
+            return out
+    except (KeyError, TypeError):
+        pass
+    out = {}
+    for a in items:
+        if type(a) is dict:
+            k = a.get("key")
+            if type(k) is str:
+                out[k] = any_value(a.get("value"))
+    return out
 
 
 def norm_id(v: Any) -> str:
     """A trace/span id as lowercase hex: hex is kept, base64 (protobuf's JSON mapping) is converted."""
-    if not isinstance(v, str) or not v:
+    if type(v) is not str or not v:
         return ""
-    low = v.lower()
-    if len(v) in (16, 32) and _HEX.issuperset(low):
-        return low
+    if len(v) in (16, 32):  # hex (base64 of 8 or 16 bytes is 12 or 24 characters long)
+        return v.lower()
     try:
         raw = base64.b64decode(v, validate=True)
     except (binascii.Error, ValueError):
@@ -499,6 +526,8 @@ class Call:
         oi: dict[int, Any] = {}
         flat: dict[int, dict[str, Any]] = {}
         for k, v in a.items():
+            if not k.startswith("llm."):
+                continue
             if k.startswith("llm.tools."):
                 i, _, rest = k[len("llm.tools."):].partition(".")
                 if i.isdigit() and rest == "tool.json_schema":
@@ -538,7 +567,7 @@ class Call:
                 if isinstance(a.get(k), int) and not isinstance(a.get(k), bool):
                     out[ours] = a[k]
                     break
-        req = {p: a[f"gen_ai.request.{p}"] for p in _REQUEST_PARAMS if f"gen_ai.request.{p}" in a}
+        req = {p: a[k] for p, k in _REQUEST_KEYS if k in a}
         if not req and "llm.invocation_parameters" in a:
             inv = _json_attr(a["llm.invocation_parameters"])
             if isinstance(inv, dict):
@@ -609,13 +638,14 @@ def to_trace(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any], str]],
     by_span: dict[str, list[LogRec]] = {}
     for lg in sorted(logs, key=lambda x: x.time):  # stable: records of one time keep file order
         by_span.setdefault(lg.span_id, []).append(lg)
-    spans = sorted(spans, key=lambda s: (_nanos(s[0].get("startTimeUnixNano")), str(s[0].get("spanId"))))
-    parsed = [(sp, attrs(sp.get("attributes")), res, scope) for sp, res, scope in spans]
+    keyed = sorted(((_nanos(sp.get("startTimeUnixNano")), str(sp.get("spanId")), sp, res, scope)
+                    for sp, res, scope in spans), key=lambda x: (x[0], x[1]))
+    parsed = [(sp, attrs(sp.get("attributes")), res, scope) for _, _, sp, res, scope in keyed]
     calls: list[Call] = []
-    for sp, a, _, scope in parsed:
+    for (t0, _, _, _, _), (sp, a, _, scope) in zip(keyed, parsed, strict=True):
         lg = by_span.get(norm_id(sp.get("spanId")), [])
         if _is_inference(a, bool(lg)):
-            calls.append(Call(sp, a, scope, _nanos(sp.get("startTimeUnixNano")), lg))
+            calls.append(Call(sp, a, scope, t0, lg))
     if not calls:
         return None, ("otel_no_genai", f"trace {tid}: no span is a GenAI inference call ({len(spans)} spans)")
     chosen = None
@@ -628,7 +658,7 @@ def to_trace(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any], str]],
         return None, ("otel_content_not_captured", _no_content_detail(tid, calls, len(logs)))
     last, (messages, convention, content_finish) = chosen
     tools = None
-    for c in [last, *reversed(calls)]:
+    for c in [last, *(c for c in reversed(calls) if c is not last)]:
         tools = c.tools()
         if tools is not None:
             break
@@ -647,7 +677,7 @@ def to_trace(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any], str]],
         outcome["error"] = error[:2000]
     if feedback is not None:
         outcome["feedback"] = feedback
-    start = min(_nanos(sp.get("startTimeUnixNano")) for sp, _, _, _ in parsed)
+    start = keyed[0][0]
     ts = datetime.fromtimestamp(start / 1e9, UTC).isoformat().replace("+00:00", "Z")
     res = parsed[0][2]
     la = last.attrs
@@ -656,6 +686,7 @@ def to_trace(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any], str]],
         inv = _json_attr(la.get("llm.invocation_parameters"))
         model = inv.get("model") if isinstance(inv, dict) else None
     infos = [c.info() for c in calls]
+    li = infos[calls.index(last)]
     meta: dict[str, Any] = {"otel": {
         "spans": len(spans), "service": res.get("service.name"), "convention": convention, "scope": last.scope,
         "provider": la.get("gen_ai.provider.name") or la.get("gen_ai.system") or la.get("llm.provider")
@@ -665,7 +696,6 @@ def to_trace(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any], str]],
     tout = [i["output_tokens"] for i in infos if "output_tokens" in i]
     if tin or tout:
         meta["usage"] = {"input_tokens": sum(tin), "output_tokens": sum(tout), "calls": len(infos)}
-    li = last.info()
     fr = li.get("finish_reasons") or [str(x) for x in content_finish]
     if fr:
         meta["finish_reasons"] = fr
@@ -854,6 +884,13 @@ class Assembler:
                     self._span_tids.update(scan(p, self.max_line_bytes).last_line)
             else:
                 self._index = LogIndex.load(self.companions, self.max_line_bytes)
+
+    def line_weight(self, lineno: int) -> int:
+        """How many traces end on line ``lineno`` (at least 1): batches are sized by traces, not lines
+        (a Collector line holds hundreds)."""
+        if not self._ready:
+            self._prepare()
+        return max(1, len(self._ends.get(lineno, ())))
 
     def _state(self, tid: str, line: Any) -> dict[str, Any]:
         st = self._open.get(tid)

@@ -176,6 +176,7 @@ class Preparer:
         self.lines = 0
         self.cut: str | None = None
         self.otel = Assembler(path, otel_companions, icfg.max_line_bytes) if fmt == "otel" else None
+        self._otel_ready: list[tuple[Line, dict[str, Any]]] = []
         # Per-batch state, set by _process.
         self._rows = _Rows()
         self._first: dict[str, dict[str, Any]] = {}
@@ -272,11 +273,23 @@ class Preparer:
         if prob:
             self._quarantine(b, line, prob[0], prob[1])
             return
-        self._accept(b, line, rec, True, seen)
+        self._otel_ready.append((line, rec))
+
+    def _accept_otel(self, b: Batch, seen: set[str]) -> None:
+        """Accept the traces assembled in this batch. They get the vectorised redaction prefilter that
+        OpenAI lines get, on their serialised form: walking every string of every trace cost ~65 µs a
+        trace in the OTLP benchmark, the batch check a few µs."""
+        ready, self._otel_ready = self._otel_ready, []
+        if not ready:
+            return
+        needs = self.redactor.lines_need_redaction([orjson.dumps(rec) for _, rec in ready])
+        for (line, rec), need in zip(ready, needs, strict=True):
+            self._accept(b, line, rec, need, seen)
 
     def batches(self, lines: Iterator[Line], pos: Callable[[], int], *, stride: int = 1,
                 offset: int = 0) -> Iterator[Batch]:
-        """Batches of ``batch_size`` non-blank lines, numbered from 0. With ``stride`` > 1 only the
+        """Batches of ``batch_size`` non-blank lines (OTLP: lines holding the ends of about that many
+        traces), numbered from 0. With ``stride`` > 1 only the
         batches numbered ``offset`` mod ``stride`` are prepared (the lines of the others are counted,
         not parsed), so that ``stride`` workers can share one file; their batches interleave back
         into the single-worker sequence. Only for formats without state across lines (not OTel)."""
@@ -298,7 +311,8 @@ class Preparer:
             if line.oversize or line.data.strip():
                 if mine:
                     chunk.append(line)
-                n_chunk += 1
+                # An OTLP line holds many traces: its weight is the traces that end on it.
+                n_chunk += 1 if self.otel is None else self.otel.line_weight(line.lineno)
             if n_chunk >= size:
                 if mine:
                     yield self._process(no, chunk, None, pos)
@@ -335,6 +349,8 @@ class Preparer:
         if last and self.otel is not None:  # OTLP traces still open: complete at the end of the file
             for tid in self.otel.remaining():
                 self._emit_otel(b, tid, seen)
+        if self.otel is not None:
+            self._accept_otel(b, seen)
         b.table = self._rows.table()
         b.first_payloads = self._first
         self._rows, self._first = _Rows(), {}
