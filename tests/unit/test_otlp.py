@@ -92,3 +92,23 @@ def test_base64_ids_are_read_as_hex(cfg, store, tmp_path):
     p.write_text(json.dumps(json.loads(spans_line([sp])), indent=2))
     assert ingest_paths(cfg, store, ArtifactStore(cfg.artifacts_dir), [p]).ingested == 1
     assert store.entity(f"trace:{raw_t.hex()}") is not None
+
+
+def test_usage_finish_reasons_and_response_ids_show_up_in_the_report(cfg, store, tmp_path):
+    from flywheel.report import trace_facts
+
+    t, s = tid_of(3), "c1c2c3c4c5c6c7c8"
+    sp = chat_span(t, s)
+    sp["attributes"] += [kv("gen_ai.usage.output_tokens", 7),
+                         kv("gen_ai.response.id", "chatcmpl-abc"),
+                         {"key": "gen_ai.response.finish_reasons", "value": {"arrayValue": {"values": [
+                             {"stringValue": "stop"}]}}},
+                         kv("gen_ai.input.messages", json.dumps([{"role": "user", "parts": [
+                             {"type": "text", "content": "hi"}]}]))]
+    p = tmp_path / "o.jsonl"
+    p.write_text(spans_line([sp]) + "\n")
+    arts = ArtifactStore(cfg.artifacts_dir)
+    assert ingest_paths(cfg, store, arts, [p]).ingested == 1
+    facts = trace_facts(arts, store, [{"trace": f"trace:{t}"}])
+    assert facts[f"trace:{t}"] == {"source": "genai-span", "model": "m", "tokens": "5 in / 7 out", "finish": "stop",
+                                   "response": "chatcmpl-abc"}
