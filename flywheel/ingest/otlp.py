@@ -64,7 +64,8 @@ without any message content: the instrumentation's content capture is off; the d
 setting for each instrumentation), ``otel_log_without_span`` (GenAI log records whose spans are in
 none of the files read), ``otel_nothing_to_read`` (an export request with neither spans nor log
 records carrying a trace id), ``otel_late_span`` (a trace id met again after its trace was assembled:
-only possible when the scan could not run).
+only possible when the scan could not run), ``otel_unreadable`` (a span or record of an unexpected
+shape, e.g. a ``status`` that is not an object; the detail names the error).
 
 Not supported: a trace's spans split across two span-bearing files (the first part is read, the
 later one is a duplicate id); content uploaded elsewhere by reference (``gen_ai.input.messages.ref``).
@@ -219,17 +220,24 @@ def _text_of(v: Any) -> str:
 
 
 # -- iterating export requests --------------------------------------------------------------------
+def _obj(v: Any) -> dict[str, Any]:
+    return v if type(v) is dict else {}
+
+
+def _seq(v: Any) -> list[Any]:
+    return v if type(v) is list else []
+
 def iter_spans(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any], str]]:
     """(trace id, span, resource attributes, scope name) for every span of an export request."""
-    for rs in obj.get("resourceSpans") or ():
+    for rs in _seq(obj.get("resourceSpans")):
         if not isinstance(rs, dict):
             continue
-        res = attrs((rs.get("resource") or {}).get("attributes"))
-        for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or ():
+        res = attrs(_obj(rs.get("resource")).get("attributes"))
+        for ss in _seq(rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans")):
             if not isinstance(ss, dict):
                 continue
-            scope = str(((ss.get("scope") or ss.get("instrumentationLibrary") or {}).get("name")) or "")
-            for sp in ss.get("spans") or ():
+            scope = str(_obj(ss.get("scope") or ss.get("instrumentationLibrary")).get("name") or "")
+            for sp in _seq(ss.get("spans")):
                 if isinstance(sp, dict):
                     tid = norm_id(sp.get("traceId"))
                     if tid:
@@ -238,14 +246,14 @@ def iter_spans(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], dict[
 
 def iter_logs(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any], str]]:
     """(trace id or "", log record, scope name) for every log record of an export request."""
-    for rl in obj.get("resourceLogs") or ():
+    for rl in _seq(obj.get("resourceLogs")):
         if not isinstance(rl, dict):
             continue
-        for sl in rl.get("scopeLogs") or ():
+        for sl in _seq(rl.get("scopeLogs")):
             if not isinstance(sl, dict):
                 continue
-            scope = str((sl.get("scope") or {}).get("name") or "")
-            for lr in sl.get("logRecords") or ():
+            scope = str(_obj(sl.get("scope")).get("name") or "")
+            for lr in _seq(sl.get("logRecords")):
                 if isinstance(lr, dict):
                     yield norm_id(lr.get("traceId")), lr, scope
 
@@ -948,7 +956,12 @@ class Assembler:
         logs = st["logs"]
         if self._index is not None:
             logs = logs + self._index.take(tid)
-        rec, prob = to_trace(tid, st["spans"], logs)
+        try:
+            rec, prob = to_trace(tid, st["spans"], logs)
+        except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
+            # A shape the mapping did not expect (a status that is not an object, ...): this trace is
+            # quarantined with the reason, the rest of the file goes on.
+            rec, prob = None, ("otel_unreadable", f"trace {tid}: {type(e).__name__}: {e}"[:500])
         if prob and prob[0] == "otel_log_without_span" and self._logs_only:
             where = ", ".join(p.name for p in self.companions[:3]) or "no span file"
             prob = (prob[0], prob[1].split(": spans and", 1)[0] + f": no span of this trace in the files given with "

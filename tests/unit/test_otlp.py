@@ -6,6 +6,9 @@ from __future__ import annotations
 import base64
 import json
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from flywheel.artifacts import ArtifactStore
 from flywheel.config import load_config
 from flywheel.ingest import ingest_paths, load_traces
@@ -112,3 +115,42 @@ def test_usage_finish_reasons_and_response_ids_show_up_in_the_report(cfg, store,
     facts = trace_facts(arts, store, [{"trace": f"trace:{t}"}])
     assert facts[f"trace:{t}"] == {"source": "genai-span", "model": "m", "tokens": "5 in / 7 out", "finish": "stop",
                                    "response": "chatcmpl-abc"}
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(
+        ["status", "events", "attributes", "body", "key", "value", "stringValue", "kvlistValue", "arrayValue",
+         "values", "spanId", "parentSpanId", "name", "startTimeUnixNano", "eventName", "code"]), c, max_size=4),
+    max_leaves=12)
+
+
+def test_any_shape_of_span_or_record_is_quarantined_never_raised():
+    """Whatever a span or log record holds, the reader answers with a trace or a reason."""
+    from flywheel.ingest.otlp import Assembler
+
+    class L:
+        lineno = 1
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.dictionaries(st.sampled_from(["status", "events", "spanId", "parentSpanId", "name",
+                                            "startTimeUnixNano"]), JSON, max_size=5),
+           st.dictionaries(st.sampled_from(["body", "attributes", "spanId", "eventName", "timeUnixNano"]), JSON,
+                           max_size=4))
+    def check(span, record):
+        # a span the mapping reads in full (a chat call with content), its other fields anything
+        base = chat_span(tid_of(9), "d1d2d3d4d5d6d7d8")
+        base["attributes"].append(kv("gen_ai.input.messages", json.dumps([{"role": "user", "content": "hi"}])))
+        span = {**base, **span, "traceId": tid_of(9)}
+        record = {**record, "traceId": tid_of(9), "eventName": record.get("eventName") or "gen_ai.choice"}
+        a = Assembler(None, [], 1 << 20)
+        a.feed(json.loads(spans_line([span])), L)
+        a.feed(json.loads(logs_line([record])), L)
+        a.feed({"resourceSpans": [{"resource": record.get("body"), "scopeSpans": [{"scope": span.get("name"),
+                                                                                  "spans": span.get("events")}]}],
+                "resourceLogs": record.get("attributes")}, L)
+        for tid in a.remaining():
+            rec, prob, _ = a.take(tid)
+            assert (rec is None) != (prob is None)
+
+    check()
