@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -158,8 +159,8 @@ class Preparer:
     """Turns lines into prepared batches. Holds no store state (it runs off the main thread, or in
     the worker process)."""
 
-    def __init__(self, icfg: Any, fmt: str, file_name: str, file_sha: str, *, path: Any = None,
-                 otel_companions: Any = ()):
+    def __init__(self, icfg: Any, fmt: str, file_name: str, file_sha: str, *, path: Path | None = None,
+                 otel_companions: Sequence[Path] = ()):
         # ``path``: the file the lines come from (OTLP files are scanned once for where each trace
         # ends; None for a single JSON document). ``otel_companions``: see flywheel.ingest.otlp.plan_files.
         self.icfg = icfg
