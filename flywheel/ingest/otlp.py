@@ -263,7 +263,7 @@ def event_name(lr: dict[str, Any], a: dict[str, Any] | None = None) -> str:
     if isinstance(name, str) and name:
         return name
     if a is None:
-        for kv in lr.get("attributes") or ():
+        for kv in _seq(lr.get("attributes")):
             if isinstance(kv, dict) and kv.get("key") == "event.name":
                 return str(any_value(kv.get("value")) or "")
         return ""
