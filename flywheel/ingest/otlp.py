@@ -68,7 +68,9 @@ only possible when the scan could not run), ``otel_unreadable`` (a span or recor
 shape, e.g. a ``status`` that is not an object; the detail names the error).
 
 Not supported: a trace's spans split across two span-bearing files (the first part is read, the
-later one is a duplicate id); content uploaded elsewhere by reference (``gen_ai.input.messages.ref``).
+later one is a duplicate id); content uploaded elsewhere by reference (``gen_ai.input.messages.ref``);
+several independent conversations in one trace (the last inference call's conversation is kept, the
+other calls appear only in ``metadata.calls``); ``n`` > 1 choices beyond the first.
 Memory: the scan keeps one small entry per trace id of the file; open traces are held until their
 last line.
 """
