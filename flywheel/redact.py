@@ -11,7 +11,8 @@ bearer token is not half-eaten by the api_key rule and a card number is not take
   AWS access key ids ``AKIA…``, GitHub tokens ``ghp_…``/``gho_…``/…, Slack ``xox?-…``, Google
   ``AIza…``, and ``key=value`` assignments whose key says api_key/secret/token/password.
 - ``card``: 13–19 digit card numbers (spaces or dashes allowed) that pass the Luhn check; digit runs
-  that fail Luhn are left alone (order ids, timestamps).
+  that fail Luhn are left alone (order ids, timestamps), and so are digit runs glued to letters or
+  ``_`` (hex identifiers such as OTLP trace ids or ``chatcmpl-…`` response ids).
 - ``email``: ``local@domain.tld``.
 - ``phone``: international (``+<cc> …``) or grouped national numbers with at least 9 digits.
 - user rules (``IngestConfig.redaction_rules``), applied last, in configuration order.
@@ -80,7 +81,9 @@ BUILTIN_PATTERNS: dict[str, str] = {
         r"|\bAIza[0-9A-Za-z_\-]{35}"
         r"|(?i:\b(?:api[_-]?key|secret|access[_-]?token|password|passwd)\b[ \t]*[:=][ \t]*)[^\s'\",;]{6,}"
     ),
-    "card": r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])",
+    # Not glued to letters: digit runs inside hex identifiers (OTLP trace/span ids, "chatcmpl-<hex>"
+    # response ids) pass the Luhn check one time in ten and are not card numbers.
+    "card": r"(?<![\w-])\d(?:[ -]?\d){12,18}(?![\w-])",
     "email": r"(?<![A-Za-z0-9._%+\-])[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}\b",
     "phone": (
         r"(?<![\w+])(?:\+\d{1,3}[ .\-]?(?:\(\d{1,4}\)[ .\-]?)?\d{2,4}(?:[ .\-]?\d{2,4}){1,3}"
