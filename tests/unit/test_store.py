@@ -10,12 +10,14 @@ import warnings
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from flywheel.store import (
     BATCH_SCHEMA,
     ConcurrencyError,
     EventStore,
+    InvalidEventError,
     NewEvent,
     StoreError,
     canonical_json,
@@ -101,7 +103,7 @@ def test_batch_rejects_unknown_types_nulls_and_invalid_json(store):
         store.append_batch(t)
     t = pa.table({"stream": ["trace:a"], "type": ["trace.ingested"], "payload": ["{not json"], "causation": [[]]},
                  schema=BATCH_SCHEMA)
-    with pytest.raises(duckdb.Error):
+    with pytest.raises(InvalidEventError, match="not valid JSON"):
         store.append_batch(t)
     with pytest.raises(TypeError, match="not JSON-serialisable"):
         store.append("trace:a", NewEvent("trace.ingested", {"x": object()}))
@@ -370,4 +372,26 @@ def test_a_batch_in_several_chunks_numbers_each_stream_across_them(store):
     assert (r.appended, r.first_seq, r.last_seq) == (4, 2, 5)
     assert [(e.stream, e.stream_version, e.payload["i"]) for e in store.read(after_seq=1)] == [
         ("trace:a", 2, 1), ("trace:b", 1, 2), ("trace:b", 2, 3), ("trace:a", 3, 4)]
+    assert store.check_integrity() == []
+
+
+def test_export_is_private_under_any_umask(store, tmp_path):
+    """Export writes a 0700 directory of 0600 files whatever the caller's umask (traces are user data)."""
+    _chain(store)
+    old = os.umask(0o022)
+    try:
+        written = store.export(tmp_path / "export")
+    finally:
+        os.umask(old)
+    assert (os.stat(tmp_path / "export").st_mode & 0o777) == 0o700
+    for path in written.values():
+        assert (os.stat(path).st_mode & 0o777) == 0o600, path
+
+
+def test_export_path_with_a_quote_is_a_path_not_sql(store, tmp_path):
+    _chain(store)
+    out = tmp_path / "it's'; DROP TABLE events; --"
+    written = store.export(out)
+    assert pq.read_table(written["events"]).num_rows == store.last_seq() == 9
+    assert sorted(os.listdir(out)) == sorted(f"{t}.parquet" for t in written)
     assert store.check_integrity() == []

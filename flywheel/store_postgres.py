@@ -1,0 +1,631 @@
+"""The event store on PostgreSQL (team mode: ``store.url = "postgresql://..."``).
+
+Same contract as the embedded store (:mod:`flywheel.store`); what differs is how it is kept:
+
+- Uniqueness is the server's: PRIMARY KEY (seq), UNIQUE (event_id), UNIQUE (stream, stream_version)
+  (``warehouse/postgres/001_events.sql``), so any number of writers on any number of machines share
+  the store.
+- An append is one transaction in three phases. (1) Without any lock: the batch's event ids, entity
+  ids and node ids are computed in this process (DuckDB over the Arrow batch, the same SQL as the
+  embedded store), the batch is COPYed (text format, built column-wise in Arrow) into a temporary
+  table, the streams it touches are looked up, and the names it mentions are inserted into
+  ``entity_names`` (``ON CONFLICT DO NOTHING``: a name never changes). (2) Under
+  ``pg_advisory_xact_lock``: ``seq`` continues from ``max(seq)``; if another writer touched one of the
+  batch's streams since phase 1, those lookups are redone; ``expected_versions`` are checked; one
+  statement inserts the events and upserts ``entity_index`` and ``lineage_links``. (3) COMMIT, which
+  releases the lock: appends commit in seq order, so seq has no gaps and a reader that saw seq n has
+  seen every event before it.
+- Lineage walks are recursive CTEs over the (child, parent) primary key and the (parent, child) index
+  (``warehouse/postgres/queries``). Why not DuckDB attached to PostgreSQL through its ``postgres``
+  extension: that extension is downloaded from DuckDB's extension repository at ``INSTALL`` time
+  (nothing on PyPI ships it for DuckDB 2.0), which an offline worker cannot reach, and the
+  recursive CTE on the server answers the benchmark's model -> traces walk within its target
+  (``benchmarks/bench_event_store.py``).
+
+Driver: psycopg 3 (``COPY ... FROM STDIN`` for batches, server-side cursors for exports).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from flywheel.events import CATALOG
+from flywheel.store import (
+    EXPORT_TABLES,
+    AppendResult,
+    ConcurrencyError,
+    EventStore,
+    InvalidEventError,
+    StoreError,
+    StoreUnavailableError,
+    _migrations,
+    _split_sql,
+    _sql,
+    event_id_sql,
+    normalise_batch,
+    plan_append,
+    redact_url,
+    signed_node_id,
+)
+
+# pg_advisory_xact_lock keys (two int4: "flyw", purpose): appends + rebuilds, and migrations.
+_APPEND_LOCK = (0x666C7977, 1)
+_MIGRATE_LOCK = (0x666C7977, 2)
+_NON_DEFAULT = " ".join(f"WHEN '{t}' THEN {s.schema_version}" for t, s in CATALOG.items() if s.schema_version != 1)
+_SCHEMA_VERSION_SQL = f"CASE r.type {_NON_DEFAULT} ELSE 1 END" if _NON_DEFAULT else "1"
+
+EVENTS_ARROW = pa.schema([
+    ("seq", pa.int64()), ("event_id", pa.string()), ("stream", pa.string()), ("stream_version", pa.int64()),
+    ("type", pa.string()), ("payload", pa.string()), ("causation", pa.list_(pa.string())),
+    ("correlation_id", pa.string()), ("recorded_at", pa.timestamp("us", tz="UTC")), ("schema_version", pa.int32()),
+])
+_EXPORT_SQL = {
+    "events": ("SELECT seq, event_id, stream, stream_version, type, payload::text, causation, correlation_id, "
+               "recorded_at, schema_version FROM events ORDER BY seq", EVENTS_ARROW),
+    "streams": ("SELECT stream, version FROM streams ORDER BY stream COLLATE \"C\"",
+                pa.schema([("stream", pa.string()), ("version", pa.int64())])),
+    "entities": ("SELECT entity_id, kind, stream, last_type, first_seq, last_seq, n_events, state::text AS state "
+                 "FROM entities ORDER BY first_seq",
+                 pa.schema([("entity_id", pa.string()), ("kind", pa.string()), ("stream", pa.string()),
+                            ("last_type", pa.string()), ("first_seq", pa.int64()), ("last_seq", pa.int64()),
+                            ("n_events", pa.int64()), ("state", pa.string())])),
+    "lineage_edges": ("SELECT child, parent, seq FROM lineage_edges ORDER BY seq, child COLLATE \"C\", parent COLLATE \"C\"",
+                      pa.schema([("child", pa.string()), ("parent", pa.string()), ("seq", pa.int64())])),
+}
+_BATCH_COLUMNS = "i, event_id, stream, type, payload, causation, entity, node, pnodes"
+
+
+def _pg_text(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Escape strings for COPY's text format (backslash, tab, newline, carriage return)."""
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    if not len(arr) or not pc.any(pc.match_substring_regex(arr, r"[\\\t\n\r]")).as_py():
+        return arr
+    for a, b in (("\\", "\\\\"), ("\t", "\\t"), ("\n", "\\n"), ("\r", "\\r")):
+        arr = pc.replace_substring(arr, a, b)
+    return arr
+
+
+def _pg_array(lists: pa.Array | pa.ChunkedArray, quote: bool) -> pa.Array:
+    """A list column as PostgreSQL array literals (``{"a","b"}`` / ``{1,2}``); null elements as NULL."""
+    lists = lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists
+    lists = pc.fill_null(lists, pa.scalar([], lists.type))
+    start, end = lists.offsets[0].as_py(), lists.offsets[-1].as_py()
+    values = lists.values.slice(start, end - start)
+    offsets = pc.subtract(lists.offsets, pa.scalar(start, lists.offsets.type))
+    text = values.cast(pa.string())
+    if quote:
+        text = pc.replace_substring(pc.replace_substring(text, "\\", "\\\\"), '"', '\\"')
+        text = pc.binary_join_element_wise('"', text, '"', "")
+    text = pc.fill_null(text, "NULL")
+    joined = pc.binary_join(pa.ListArray.from_arrays(offsets, text), ",")
+    return pc.binary_join_element_wise("{", joined, "}", "")
+
+
+class PostgresEventStore(EventStore):
+    """The event store in a PostgreSQL database (see the module docstring)."""
+
+    backend = "postgresql"
+
+    def __init__(self, url: str, *, read_only: bool = False, connect_timeout_s: int = 10, **_ignored: Any):
+        import psycopg
+
+        self.url = url
+        self.read_only = read_only
+        self.path = None  # no file: see ``location``
+        self._lock = threading.RLock()
+        try:
+            self.con = psycopg.connect(url, autocommit=True, connect_timeout=connect_timeout_s,
+                                       application_name="flywheel")
+        except psycopg.OperationalError as e:
+            raise StoreUnavailableError(f"cannot connect to the event store at {redact_url(url)}: "
+                                        f"{str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
+        self._closed = False
+        self._calc = duckdb.connect()  # in-memory: event ids and node ids of batches, off the server
+        if not read_only:
+            self._migrate()
+        self._ensure_temp_tables()
+
+    @property
+    def location(self) -> str:
+        return redact_url(self.url)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.con.close()
+        finally:
+            self._calc.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"event store {self.location} is closed")
+
+    # -- schema ------------------------------------------------------------------------------
+    def _migrate(self) -> None:
+        con = self.con
+        with self._lock, con.transaction():
+            con.execute("SELECT pg_advisory_xact_lock(%s, %s)", _MIGRATE_LOCK)
+            con.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT, "
+                        "applied_at TIMESTAMPTZ DEFAULT now())")
+            done = {r[0] for r in con.execute("SELECT version FROM schema_migrations").fetchall()}
+            for version, name, script in _migrations("postgres"):
+                if version in done:
+                    continue
+                for stmt in _split_sql(script):
+                    con.execute(stmt)
+                con.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", [version, name])
+
+    def _ensure_temp_tables(self) -> None:
+        # Session-private staging tables, emptied at every commit (no WAL, invisible to other sessions).
+        self.con.execute(
+            "CREATE TEMP TABLE IF NOT EXISTS _fw_batch (i BIGINT, event_id TEXT, stream TEXT, type TEXT, "
+            "payload TEXT, causation TEXT[], entity TEXT, node BIGINT, pnodes BIGINT[]) ON COMMIT DELETE ROWS"
+        )
+
+    def _q(self, sql: str, params: Any = None) -> list[tuple]:
+        self._check_open()
+        with self._lock:
+            return self.con.execute(sql, params).fetchall()
+
+    # -- appending ---------------------------------------------------------------------------
+    def append_batch(
+        self,
+        table: pa.Table,
+        *,
+        correlation_id: str | None = None,
+        expected_versions: dict[str, int] | None = None,
+        validated: bool = False,
+    ) -> AppendResult:
+        """Append many events (any streams) in one transaction; see :meth:`EventStore.append_batch` of the
+        embedded store for the semantics and the module docstring for how it is done here."""
+        self._check_open()
+        if table.num_rows == 0:
+            return AppendResult()
+        if self.read_only:
+            raise StoreError(f"event store {self.location} is open read-only; appends need a writable store")
+        batch = normalise_batch(table, validated)
+        cols = self._prepare(batch)
+        with self._lock, self.con.transaction():
+            return self._append_tx(batch, cols, correlation_id, expected_versions)
+
+    def _prepare(self, batch: pa.Table) -> pa.Table:
+        """Event ids, entity ids, node ids (signed) and the causation's node ids, computed in DuckDB."""
+        self._calc.register("_b", batch)
+        try:
+            out = self._calc.sql(
+                f"""
+                SELECT i, event_id, entity, (md5_number(entity) >> 64)::UBIGINT AS node, pnodes FROM (
+                    SELECT _i AS i, {event_id_sql()} AS event_id,
+                           coalesce(json_extract_string(payload, '$.entity_id'), stream) AS entity,
+                           list_transform(causation, lambda x: (md5_number(x) >> 64)::UBIGINT) AS pnodes
+                    FROM _b)
+                ORDER BY i
+                """
+            ).to_arrow_table()
+        except (duckdb.InvalidInputException, duckdb.ConversionException) as e:
+            raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
+        finally:
+            self._calc.unregister("_b")
+        return out.set_column(3, "node", pc.cast(out.column("node"), pa.int64(), safe=False))
+
+    def _copy_batch(self, cur: Any, batch: pa.Table, cols: pa.Table) -> None:
+        pnodes = cols.column("pnodes").combine_chunks()
+        pnodes = pa.ListArray.from_arrays(pnodes.offsets, pc.cast(pnodes.values, pa.int64(), safe=False))
+        fields = [
+            pc.cast(cols.column("i"), pa.string()), cols.column("event_id").combine_chunks(),
+            _pg_text(batch.column("stream")), _pg_text(batch.column("type")), _pg_text(batch.column("payload")),
+            _pg_text(_pg_array(batch.column("causation"), quote=True)), _pg_text(cols.column("entity")),
+            pc.cast(cols.column("node"), pa.string()), _pg_array(pnodes, quote=False),
+        ]
+        fields = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
+        rows = pc.binary_join_element_wise(*fields, "\t")
+        rows = pc.binary_join_element_wise(rows, "", "\n")  # "row\n": the value buffer is the COPY stream
+        offsets = rows.buffers()[1]
+        first, last = np.frombuffer(offsets, dtype=np.int32, count=len(rows) + 1 + rows.offset)[[rows.offset, -1]]
+        data = memoryview(rows.buffers()[2])[int(first):int(last)]
+        with cur.copy(f"COPY _fw_batch ({_BATCH_COLUMNS}) FROM STDIN") as cp:
+            cp.write(data)
+
+    def _lookup(self, cur: Any, streams: list[str] | None) -> tuple[pa.Array, pa.Array, pa.Array]:
+        """The batch's streams that exist (all of them, or only ``streams``), their versions, and the
+        batch's event ids they hold (an event_id hashes its stream: only existing streams can)."""
+        where = "" if streams is None else "WHERE s.stream = ANY(%s)"
+        rows = cur.execute(
+            f"""
+            SELECT s.stream, (SELECT max(e.stream_version) FROM events e WHERE e.stream = s.stream) AS v
+            FROM (SELECT DISTINCT stream FROM _fw_batch) s {where}
+            """,
+            [streams] if streams is not None else None,
+        ).fetchall()
+        known = [(s, v) for s, v in rows if v is not None]
+        held: list[str] = []
+        if known:
+            held = [r[0] for r in cur.execute(
+                "SELECT b.event_id FROM _fw_batch b JOIN events e ON e.event_id = b.event_id "
+                "WHERE b.stream = ANY(%s)", [[s for s, _ in known]]).fetchall()]
+        return (pa.array([s for s, _ in known], pa.string()), pa.array([int(v) for _, v in known], pa.int64()),
+                pa.array(held, pa.string()))
+
+    def _append_tx(self, batch: pa.Table, cols: pa.Table, correlation_id: str | None,
+                   expected_versions: dict[str, int] | None) -> AppendResult:
+        import psycopg
+
+        con = self.con
+        cur = con.cursor()
+        n_rows = batch.num_rows
+        # Phase 1, no lock: stage the batch, look its streams up, record the names it mentions.
+        self._copy_batch(cur, batch, cols)
+        if n_rows >= 1000:  # a temp table has no statistics: without them the joins below nest loops
+            cur.execute("ANALYZE _fw_batch")
+        watermark = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        known_s, known_v, held = self._lookup(cur, None)
+        clash = cur.execute(
+            """
+            WITH x AS MATERIALIZED (
+                SELECT DISTINCT node, name FROM (
+                    SELECT node, entity AS name FROM _fw_batch
+                    UNION ALL SELECT unnest(pnodes), unnest(causation) FROM _fw_batch
+                ) y WHERE name IS NOT NULL
+            ), have AS MATERIALIZED (
+                SELECT x.node, x.name AS new_name, n.name AS old_name FROM x JOIN entity_names n ON n.node = x.node
+            ), ins AS (
+                INSERT INTO entity_names (node, name)
+                SELECT x.node, x.name FROM x WHERE NOT EXISTS (SELECT 1 FROM have h WHERE h.node = x.node)
+                ORDER BY x.node
+                ON CONFLICT (node) DO NOTHING
+            )
+            SELECT old_name, new_name FROM have WHERE new_name <> old_name
+            UNION ALL SELECT a.name, b.name FROM x a JOIN x b ON a.node = b.node AND a.name < b.name
+            LIMIT 1
+            """
+        ).fetchone()
+        if clash:
+            raise StoreError(f"entity ids collide: {clash[0]!r} and {clash[1]!r} share the node id "
+                             f"{signed_node_id(clash[0])}; rename one of these entities (nothing was appended)")
+        # Phase 2: number the events under the lock.
+        cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
+        # Sorts and hash aggregates of a 100k-row batch spill to disk at the default 4 MB.
+        cur.execute("SET LOCAL work_mem = '128MB'")
+        base = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        if base > watermark:
+            touched = [r[0] for r in cur.execute(
+                "SELECT DISTINCT e.stream FROM events e WHERE e.seq > %s AND e.stream IN (SELECT stream FROM _fw_batch)",
+                [watermark]).fetchall()]
+            if touched:  # another writer appended to our streams meanwhile: look those up again
+                s2, v2, h2 = self._lookup(cur, touched)
+                keep = pc.invert(pc.is_in(known_s, value_set=pa.array(touched, pa.string())))
+                known_s = pa.concat_arrays([known_s.filter(keep), s2])
+                known_v = pa.concat_arrays([known_v.filter(keep), v2])
+                held = pa.concat_arrays([held, h2])
+        plan = plan_append(batch.column("stream"), cols.column("event_id"), known_s, known_v, held, expected_versions)
+        n_new = plan.n_new
+        result = AppendResult(appended=n_new, already_recorded=n_rows - n_new)
+        if n_new == 0:
+            return result
+        idx = np.flatnonzero(plan.fresh).astype(np.int64)
+        try:
+            cur.execute(
+                f"""
+                WITH plan AS (
+                    SELECT p.i, p.version, %(base)s::BIGINT + p.ord AS seq
+                    FROM unnest(%(idx)s::BIGINT[], %(ver)s::BIGINT[]) WITH ORDINALITY AS p(i, version, ord)
+                ), r AS MATERIALIZED (
+                    SELECT plan.seq, plan.version, b.* FROM plan JOIN _fw_batch b ON b.i = plan.i
+                ), ins AS (
+                    INSERT INTO events (seq, event_id, stream, stream_version, type, payload, causation,
+                                        correlation_id, recorded_at, schema_version)
+                    SELECT r.seq, r.event_id, r.stream, r.version, r.type, r.payload::json, r.causation,
+                           %(corr)s, now(), {_SCHEMA_VERSION_SQL}
+                    FROM r ORDER BY r.seq
+                ), agg AS MATERIALIZED (
+                    SELECT node, min(seq) AS first_seq, max(seq) AS last_seq, count(*) AS n FROM r GROUP BY node
+                ), old AS MATERIALIZED (  -- the batch's entities recorded before it (the others are new)
+                    SELECT a.node FROM agg a JOIN entity_index e ON e.node = a.node
+                ), ent_new AS (
+                    INSERT INTO entity_index (node, first_seq, last_seq, n_events)
+                    SELECT a.node, a.first_seq, a.last_seq, a.n FROM agg a
+                    WHERE NOT EXISTS (SELECT 1 FROM old o WHERE o.node = a.node)
+                ), ent_old AS (
+                    UPDATE entity_index e SET last_seq = a.last_seq, n_events = e.n_events + a.n
+                    FROM agg a JOIN old o ON o.node = a.node WHERE e.node = a.node
+                ), edges AS MATERIALIZED (
+                    SELECT r.node AS child, c.pnode AS parent, min(r.seq) AS seq
+                    FROM r CROSS JOIN LATERAL unnest(r.causation, r.pnodes) AS c(name, pnode)
+                    WHERE c.name IS NOT NULL AND c.name <> r.entity
+                    GROUP BY r.node, c.pnode
+                ), lin_new AS (  -- an edge can exist already only if its child entity did
+                    INSERT INTO lineage_links (child, parent, seq)
+                    SELECT x.child, x.parent, x.seq FROM edges x WHERE NOT EXISTS (SELECT 1 FROM old o WHERE o.node = x.child)
+                ), lin_old AS (
+                    INSERT INTO lineage_links (child, parent, seq)
+                    SELECT x.child, x.parent, x.seq FROM edges x JOIN old o ON o.node = x.child
+                    ON CONFLICT (child, parent) DO NOTHING
+                )
+                SELECT 1
+                """,
+                {"base": base, "idx": idx.tolist(), "ver": plan.versions.tolist(), "corr": correlation_id},
+            )
+        except psycopg.errors.InvalidTextRepresentation as e:
+            raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
+        except psycopg.errors.UniqueViolation as e:  # pragma: no cover - the lock makes this unreachable
+            raise ConcurrencyError("?", -1, -1) from e
+        result.first_seq, result.last_seq = base + 1, base + n_new
+        if n_new <= 10_000:
+            ids = cols.column("event_id")
+            result.event_ids = ids.filter(pa.array(plan.fresh)).to_pylist() if n_new < n_rows else ids.to_pylist()
+        return result
+
+    # -- projections -------------------------------------------------------------------------
+    def rebuild_projections(self) -> dict[str, int]:
+        """Drop and recompute every projection from the events alone (under the append lock)."""
+        self._check_open()
+        with self._lock, self.con.transaction():
+            con = self.con
+            con.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
+            con.execute("TRUNCATE entity_index, lineage_links, entity_names")
+            con.execute(
+                """
+                CREATE TEMP TABLE _fw_ev ON COMMIT DROP AS
+                SELECT seq, coalesce(payload->>'entity_id', stream) AS entity, causation FROM events
+                """
+            )
+            con.execute(
+                """
+                INSERT INTO entity_names (node, name)
+                SELECT DISTINCT flywheel_node(name), name FROM (
+                    SELECT entity AS name FROM _fw_ev UNION SELECT unnest(causation) FROM _fw_ev
+                ) x WHERE name IS NOT NULL
+                """
+            )
+            con.execute(
+                "INSERT INTO entity_index SELECT flywheel_node(entity), min(seq), max(seq), count(*) FROM _fw_ev "
+                "GROUP BY entity"
+            )
+            con.execute(
+                """
+                INSERT INTO lineage_links (child, parent, seq)
+                SELECT flywheel_node(entity), flywheel_node(parent), min(seq)
+                FROM _fw_ev CROSS JOIN LATERAL unnest(causation) AS parent
+                WHERE parent IS NOT NULL AND parent <> entity
+                GROUP BY 1, 2
+                """
+            )
+        return self.projection_counts()
+
+    def check_integrity(self) -> list[str]:
+        """The store's invariants (the server enforces the unique ones; the projections are checked
+        against the events); returns violations (empty = ok)."""
+        checks = {
+            "seq is not 1..n": "SELECT count(*) <> count(DISTINCT seq) OR coalesce(max(seq), 0) <> count(*) FROM events",
+            "duplicate event_id": "SELECT count(*) <> count(DISTINCT event_id) FROM events",
+            "stream versions not contiguous from 1": """
+                SELECT count(*) > 0 FROM (SELECT stream, count(*) n, count(DISTINCT stream_version) d,
+                       min(stream_version) lo, max(stream_version) hi FROM events GROUP BY stream) s
+                WHERE n <> d OR lo <> 1 OR hi <> n""",
+            "entity_index disagrees with events": """
+                SELECT count(*) > 0 FROM (
+                    SELECT flywheel_node(coalesce(payload->>'entity_id', stream)) AS node,
+                           min(seq) AS first_seq, max(seq) AS last_seq, count(*) AS n_events
+                    FROM events GROUP BY 1) e
+                FULL JOIN entity_index i USING (node)
+                WHERE (e.first_seq, e.last_seq, e.n_events) IS DISTINCT FROM (i.first_seq, i.last_seq, i.n_events)""",
+            "duplicate entity rows": "SELECT count(*) <> count(DISTINCT node) FROM entity_index",
+            "duplicate lineage edges": "SELECT count(*) <> count(DISTINCT (child, parent)) FROM lineage_links",
+            "entity names or node ids not unique, or a node id not its name's": """
+                SELECT count(*) <> count(DISTINCT node) OR count(*) <> count(DISTINCT name)
+                       OR coalesce(bool_or(node <> flywheel_node(name)), false) FROM entity_names""",
+            "an entity or lineage edge without a name": """
+                SELECT count(*) > 0 FROM (
+                    SELECT node FROM entity_index UNION ALL SELECT child FROM lineage_links
+                    UNION ALL SELECT parent FROM lineage_links
+                ) x WHERE NOT EXISTS (SELECT 1 FROM entity_names n WHERE n.node = x.node)""",
+        }
+        return [name for name, sql in checks.items() if self._q(sql)[0][0]]
+
+    def projection_counts(self) -> dict[str, int]:
+        tables = {"events": "events", "streams": "streams", "entities": "entity_index", "lineage_edges": "lineage_links"}
+        return {name: self._q(f"SELECT count(*) FROM {t}")[0][0] for name, t in tables.items()}
+
+    def projection_rows(self) -> dict[str, list[tuple]]:
+        c = 'COLLATE "C"'
+        return {
+            "streams": [tuple(r) for r in self._q(f"SELECT stream, version FROM streams ORDER BY stream {c}")],
+            "entities": [tuple(r) for r in self._q(
+                "SELECT entity_id, kind, stream, last_type, first_seq, last_seq, n_events, state::text FROM entities "
+                f"ORDER BY entity_id {c}, first_seq")],
+            "lineage_edges": [tuple(r) for r in self._q(
+                f"SELECT child, parent, seq FROM lineage_edges ORDER BY child {c}, parent {c}, seq")],
+        }
+
+    # -- reading -----------------------------------------------------------------------------
+    _EVENT_COLS = ("seq, event_id, stream, stream_version, type, payload::text, causation, correlation_id, "
+                   "recorded_at, schema_version")
+
+    def stream_version(self, stream: str) -> int:
+        return self._q("SELECT coalesce(max(stream_version), 0) FROM events WHERE stream = %s", [stream])[0][0]
+
+    @staticmethod
+    def _where(stream, types, after_seq, correlation_id) -> tuple[str, list[Any]]:
+        clauses, params = [], []
+        if stream is not None:
+            if stream.endswith("*"):
+                clauses.append("starts_with(stream, %s)")
+                params.append(stream[:-1])
+            else:
+                clauses.append("stream = %s")
+                params.append(stream)
+        if types:
+            clauses.append("type = ANY(%s)")
+            params.append([types] if isinstance(types, str) else list(types))
+        if after_seq is not None:
+            clauses.append("seq > %s")
+            params.append(after_seq)
+        if correlation_id is not None:
+            clauses.append("correlation_id = %s")
+            params.append(correlation_id)
+        return ("WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+    def read(self, stream: str | None = None, types: Sequence[str] | str | None = None, after_seq: int | None = None,
+             limit: int | None = None, correlation_id: str | None = None, newest_first: bool = False) -> list:
+        where, params = self._where(stream, types, after_seq, correlation_id)
+        sql = f"SELECT {self._EVENT_COLS} FROM events {where} ORDER BY seq {'DESC' if newest_first else ''}"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [self._event_from_row(r) for r in self._q(sql, params)]
+
+    def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None) -> pa.Table:
+        where, params = self._where(stream, types, after_seq, correlation_id)
+        return pa.Table.from_batches(
+            list(self._batches(f"SELECT {self._EVENT_COLS} FROM events {where} ORDER BY seq", params, EVENTS_ARROW)),
+            schema=EVENTS_ARROW)
+
+    def _batches(self, sql: str, params: Any, schema: pa.Schema, size: int = 50_000) -> Iterator[pa.RecordBatch]:
+        """Rows of a query as Arrow record batches, through a server-side cursor (bounded memory)."""
+        self._check_open()
+        with self._lock, self.con.transaction():
+            with self.con.cursor(name="flywheel_export") as cur:
+                cur.itersize = size
+                cur.execute(sql, params)
+                while rows := cur.fetchmany(size):
+                    cols = list(zip(*rows, strict=True))
+                    yield pa.RecordBatch.from_arrays(
+                        [pa.array(list(c), type=f.type) for c, f in zip(cols, schema, strict=True)], schema=schema)
+
+    def _table_batches(self, table: str) -> pa.RecordBatchReader:
+        if table not in EXPORT_TABLES:
+            raise ValueError(f"not an exported table: {table!r}")
+        sql, schema = _EXPORT_SQL[table]
+        return pa.RecordBatchReader.from_batches(schema, self._batches(sql, None, schema))
+
+    def entity(self, entity_id: str) -> dict[str, Any] | None:
+        rows = self._q(
+            "SELECT e.stream, e.type, i.first_seq, i.last_seq, i.n_events, e.payload::text "
+            "FROM entity_index i JOIN events e ON e.seq = i.last_seq WHERE i.node = %s",
+            [signed_node_id(entity_id)],
+        )
+        if not rows:
+            return None
+        r = rows[0]
+        return {"entity_id": entity_id, "kind": entity_id.split(":", 1)[0], "stream": r[0], "last_type": r[1],
+                "first_seq": r[2], "last_seq": r[3], "n_events": r[4], "state": json.loads(r[5])}
+
+    def entities(self, kind: str, *, last_type: str | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT entity_id, last_type, state::text, first_seq, last_seq FROM entities WHERE kind = %s"
+        params: list[Any] = [kind]
+        if last_type:
+            sql += " AND last_type = %s"
+            params.append(last_type)
+        sql += " ORDER BY first_seq"
+        return [{"entity_id": r[0], "last_type": r[1], "state": json.loads(r[2]), "first_seq": r[3], "last_seq": r[4]}
+                for r in self._q(sql, params)]
+
+    def counts_by_kind(self) -> dict[str, int]:
+        return dict(self._q(
+            "SELECT split_part(n.name, ':', 1) AS kind, count(*) FROM entity_index i "
+            "JOIN entity_names n ON n.node = i.node GROUP BY kind ORDER BY kind COLLATE \"C\""))
+
+    def last_seq(self) -> int:
+        return self._q("SELECT coalesce(max(seq), 0) FROM events")[0][0]
+
+    def latest_entity_id(self, prefix: str) -> str | None:
+        rows = self._q(
+            "SELECT entity_id FROM entities WHERE kind = %s AND starts_with(entity_id, %s) ORDER BY last_seq DESC LIMIT 1",
+            [prefix.split(":", 1)[0], prefix])
+        return rows[0][0] if rows else None
+
+    def event_stats(self, types: Sequence[str], after_seq: int = 0) -> tuple[int, int]:
+        r = self._q("SELECT count(*), coalesce(max(seq), 0) FROM events WHERE type = ANY(%s) AND seq > %s",
+                    [list(types), int(after_seq)])[0]
+        return int(r[0]), int(r[1])
+
+    def existing_streams(self, streams: Sequence[str] | pa.Array | pa.ChunkedArray) -> list[str]:
+        values = streams.to_pylist() if isinstance(streams, pa.Array | pa.ChunkedArray) else list(streams)
+        if not values:
+            return []
+        return [r[0] for r in self._q(
+            "SELECT s FROM unnest(%s::text[]) AS s WHERE EXISTS (SELECT 1 FROM events e WHERE e.stream = s)", [values])]
+
+    def entity_heads(self, entity_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
+        ids = list(entity_ids)
+        if not ids:
+            return {}
+        rows = self._q(
+            "SELECT n.name, e.payload::text, e.stream_version FROM entity_index i JOIN entity_names n ON n.node = i.node "
+            "JOIN events e ON e.seq = i.last_seq WHERE i.node = ANY(%s)", [[signed_node_id(x) for x in ids]])
+        wanted = set(ids)
+        return {name: (state, int(v)) for name, state, v in rows if name in wanted}
+
+    def trace_states(self, status: str) -> list[tuple[str, dict[str, Any]]]:
+        rows = self._q(
+            """
+            SELECT entity_id, state::text FROM entities
+            WHERE kind = 'trace' AND last_type = 'trace.ingested'
+              AND coalesce(state->>'status', state->'outcome'->>'status', state->'trace'->'outcome'->>'status') = %s
+            ORDER BY first_seq
+            """, [status])
+        return [(r[0], json.loads(r[1])) for r in rows]
+
+    def failure_kinds_by_day(self) -> list[tuple[str, str, int]]:
+        rows = self._q(
+            """
+            SELECT substr(payload->>'timestamp', 1, 10) AS day, k.kind, count(*) AS n
+            FROM events CROSS JOIN LATERAL json_array_elements_text(
+                CASE WHEN json_typeof(payload->'kinds') = 'array' THEN payload->'kinds' ELSE '[]'::json END) AS k(kind)
+            WHERE type = 'trace.ingested' AND payload->>'status' = 'failure'
+            GROUP BY 1, 2 ORDER BY 1 COLLATE "C", 2 COLLATE "C"
+            """)
+        return [(r[0], r[1], int(r[2])) for r in rows]
+
+    # -- lineage -----------------------------------------------------------------------------
+    def lineage(self, entity_id: str, direction: str = "down", max_depth: int = 64) -> list[tuple[str, int]]:
+        if direction not in ("down", "up"):
+            raise ValueError("direction must be 'down' or 'up'")
+        return [tuple(r) for r in self._q(_sql(f"postgres/queries/lineage_{direction}.sql"),
+                                          {"node": signed_node_id(entity_id), "depth": int(max_depth)})]
+
+    def lineage_edges(self, entity_id: str, max_depth: int = 64) -> list[tuple[str, str]]:
+        return [tuple(r) for r in self._q(_sql("postgres/queries/lineage_edges_down.sql"),
+                                          {"node": signed_node_id(entity_id), "depth": int(max_depth)})]
+
+    # -- migration from the embedded store ------------------------------------------------------
+    def import_events(self, table: pa.Table) -> int:
+        """Copy events exactly as recorded elsewhere (seq, ids, versions, times), in one transaction;
+        the batch must continue this store's seq. Projections are not touched (rebuild afterwards)."""
+        self._check_open()
+        if table.num_rows == 0:
+            return 0
+        t = table.select(EVENTS_ARROW.names)
+        with self._lock, self.con.transaction():
+            cur = self.con.cursor()
+            cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
+            base = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            first = t.column("seq")[0].as_py()
+            if first != base + 1:
+                raise StoreError(f"import: the batch starts at seq {first}, the store is at {base}")
+            ts = pc.cast(t.column("recorded_at"), pa.timestamp("us", tz="UTC"))
+            fields = [
+                pc.cast(t.column("seq"), pa.string()), t.column("event_id"), _pg_text(t.column("stream")),
+                pc.cast(t.column("stream_version"), pa.string()), _pg_text(t.column("type")),
+                _pg_text(pc.cast(t.column("payload"), pa.string())),
+                _pg_text(_pg_array(t.column("causation"), quote=True)),
+                pc.if_else(pc.is_null(t.column("correlation_id")), "\\N",
+                           _pg_text(pc.fill_null(t.column("correlation_id"), ""))),
+                pc.strftime(ts, format="%Y-%m-%dT%H:%M:%S.%f+00:00"), pc.cast(t.column("schema_version"), pa.string()),
+            ]
+            fields = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
+            rows = pc.binary_join_element_wise(*fields, "\t")
+            text = "\n".join(rows.to_pylist()) + "\n"
+            with cur.copy("COPY events (seq, event_id, stream, stream_version, type, payload, causation, "
+                          "correlation_id, recorded_at, schema_version) FROM STDIN") as cp:
+                cp.write(text.encode())
+        return t.num_rows
