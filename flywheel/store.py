@@ -1074,9 +1074,12 @@ class DuckDBEventStore(EventStore):
             sql += f" LIMIT {int(limit)}"
         return [self._event_from_row(r) for r in self._q(sql, params)]
 
-    def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None) -> pa.Table:
+    def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None, limit: int | None = None) -> pa.Table:
         where, params = self._where(stream, types, after_seq, correlation_id)
-        return self._qa(f"SELECT * FROM events {where} ORDER BY seq", params)
+        sql = f"SELECT * FROM events {where} ORDER BY seq"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return self._qa(sql, params)
 
     @staticmethod
     def _where(stream, types, after_seq, correlation_id) -> tuple[str, list[Any]]:

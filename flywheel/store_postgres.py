@@ -483,11 +483,12 @@ class PostgresEventStore(EventStore):
             sql += f" LIMIT {int(limit)}"
         return [self._event_from_row(r) for r in self._q(sql, params)]
 
-    def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None) -> pa.Table:
+    def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None, limit: int | None = None) -> pa.Table:
         where, params = self._where(stream, types, after_seq, correlation_id)
-        return pa.Table.from_batches(
-            list(self._batches(f"SELECT {self._EVENT_COLS} FROM events {where} ORDER BY seq", params, EVENTS_ARROW)),
-            schema=EVENTS_ARROW)
+        sql = f"SELECT {self._EVENT_COLS} FROM events {where} ORDER BY seq"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return pa.Table.from_batches(list(self._batches(sql, params, EVENTS_ARROW)), schema=EVENTS_ARROW)
 
     def _batches(self, sql: str, params: Any, schema: pa.Schema, size: int = 50_000) -> Iterator[pa.RecordBatch]:
         """Rows of a query as Arrow record batches, through a server-side cursor (bounded memory)."""
@@ -532,7 +533,7 @@ class PostgresEventStore(EventStore):
     def counts_by_kind(self) -> dict[str, int]:
         return dict(self._q(
             "SELECT split_part(n.name, ':', 1) AS kind, count(*) FROM entity_index i "
-            "JOIN entity_names n ON n.node = i.node GROUP BY kind ORDER BY kind COLLATE \"C\""))
+            "JOIN entity_names n ON n.node = i.node GROUP BY 1 ORDER BY 1"))
 
     def last_seq(self) -> int:
         return self._q("SELECT coalesce(max(seq), 0) FROM events")[0][0]
@@ -582,7 +583,7 @@ class PostgresEventStore(EventStore):
             FROM events CROSS JOIN LATERAL json_array_elements_text(
                 CASE WHEN json_typeof(payload->'kinds') = 'array' THEN payload->'kinds' ELSE '[]'::json END) AS k(kind)
             WHERE type = 'trace.ingested' AND payload->>'status' = 'failure'
-            GROUP BY 1, 2 ORDER BY 1 COLLATE "C", 2 COLLATE "C"
+            GROUP BY 1, 2 ORDER BY substr(payload->>'timestamp', 1, 10) COLLATE "C", k.kind COLLATE "C"
             """)
         return [(r[0], r[1], int(r[2])) for r in rows]
 
@@ -629,3 +630,65 @@ class PostgresEventStore(EventStore):
                           "correlation_id, recorded_at, schema_version) FROM STDIN") as cp:
                 cp.write(text.encode())
         return t.num_rows
+
+
+# -- copying an embedded store to a server ----------------------------------------------------------
+def _comparable(t: pa.Table) -> list[tuple]:
+    """Rows of an events table in a form both backends agree on (instants as UTC microseconds)."""
+    t = t.select(EVENTS_ARROW.names)
+    cols = []
+    for name in EVENTS_ARROW.names:
+        c = t.column(name)
+        if name == "recorded_at":
+            c = pc.cast(pc.cast(c, pa.timestamp("us", tz="UTC")), pa.int64())
+        elif name == "payload":
+            c = pc.cast(c, pa.string())
+        cols.append(c.to_pylist())
+    return list(zip(*cols, strict=True))
+
+
+def migrate_events(src: EventStore, dst: PostgresEventStore, *, chunk: int = 100_000,
+                   progress: Any = None) -> dict[str, Any]:
+    """Copy every event of ``src`` into ``dst`` exactly (seq, ids, versions, payload text, times),
+    rebuild ``dst``'s projections, then verify event by event and check ``dst``'s integrity.
+
+    Resumable: a target that already holds the first k events of the source (verified first)
+    continues at k + 1; a target holding anything else is refused with nothing written.
+    ``progress(done, total, phase)`` is called after every chunk.
+    """
+    total, have = src.last_seq(), dst.last_seq()
+    if have > total:
+        raise StoreError(f"the target holds {have} events, the source {total}: it is not a copy of this store")
+
+    def compare(upto: int, phase: str) -> int:
+        """Events 1..upto equal on both sides (chunk by chunk); returns the number compared."""
+        done = 0
+        while done < upto:
+            n = min(chunk, upto - done)
+            a = _comparable(src.read_arrow(after_seq=done, limit=n))
+            b = _comparable(dst.read_arrow(after_seq=done, limit=n))
+            if a != b:
+                bad = next((x, y) for x, y in zip(a + [None] * len(b), b + [None] * len(a), strict=False) if x != y)
+                where = (bad[0] or bad[1])[0]
+                raise StoreError(f"event seq {where} differs between the source and the target ({phase}): "
+                                 f"source {bad[0]!r:.300}, target {bad[1]!r:.300}")
+            done += n
+            if progress:
+                progress(done, upto, phase)
+        return done
+
+    compare(have, "checking what the target already holds")
+    copied, done = 0, have
+    while done < total:
+        t = src.read_arrow(after_seq=done, limit=chunk)
+        copied += dst.import_events(t)
+        done += t.num_rows
+        if progress:
+            progress(done, total, "copying events")
+    dst.rebuild_projections()
+    verified = compare(total, "verifying")
+    problems = dst.check_integrity()
+    if problems:
+        raise StoreError(f"the target fails its integrity check after the copy: {problems}")
+    return {"events": total, "copied": copied, "already_there": have, "verified": verified,
+            "projections": dst.projection_counts()}
