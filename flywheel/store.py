@@ -335,6 +335,47 @@ def plan_append(
     return AppendPlan(fresh, versions)
 
 
+# Batches up to this many rows take the two-statement path of DuckDBEventStore._append_small.
+SMALL_APPEND = 64
+
+
+@dataclass(frozen=True)
+class _SmallRow:
+    stream: str
+    type: str
+    payload: str
+    causation: list[str | None]
+    event_id: str
+    entity: str
+    node: int
+    parents: list[int]
+
+
+def _lit(v: str | None) -> str:
+    """A SQL string literal (standard strings: only the quote is special), or NULL."""
+    return "NULL" if v is None else "'" + v.replace("'", "''") + "'"
+
+
+def _small_rows(batch: pa.Table) -> list[_SmallRow] | None:
+    """The rows of a small batch with their ids computed in Python; None when a row needs DuckDB's own
+    reading (an ``entity_id`` that is not a string, or a payload that is not JSON: the Arrow path
+    reports it)."""
+    out = []
+    for stream, type_, payload, causation in zip(*(batch.column(c).to_pylist() for c in BATCH_SCHEMA.names), strict=True):
+        try:
+            doc = json.loads(payload)
+        except ValueError:
+            return None
+        entity = doc.get("entity_id") if isinstance(doc, dict) else None
+        if entity is not None and not isinstance(entity, str):
+            return None
+        entity = entity or stream
+        causation = list(causation or [])
+        out.append(_SmallRow(stream, type_, payload, causation, compute_event_id(type_, stream, payload), entity,
+                             node_id(entity), [node_id(c) if c is not None else 0 for c in causation]))
+    return out
+
+
 def _unregister(con: duckdb.DuckDBPyConnection, name: str) -> None:
     """Unregister an Arrow view; in an aborted transaction DuckDB refuses until the rollback, after
     which the append unregisters again."""
@@ -809,6 +850,11 @@ class DuckDBEventStore(EventStore):
 
     def _append_local(self, batch: pa.Table, correlation_id: str | None,
                       expected_versions: dict[str, int] | None) -> AppendResult:
+        if batch.num_rows <= SMALL_APPEND:
+            rows = _small_rows(batch)
+            if rows is not None:
+                with self._lock:
+                    return self._append_small(self._writable(), rows, correlation_id, expected_versions)
         with self._lock:
             con = self._writable()
             con.register("_batch_in", batch)
@@ -822,6 +868,95 @@ class DuckDBEventStore(EventStore):
             finally:
                 for name in ("_batch_in", "_batch_ids", "_batch_plan"):
                     _unregister(con, name)
+
+    def _append_small(self, con: duckdb.DuckDBPyConnection, rows: list[_SmallRow], correlation_id: str | None,
+                      expected_versions: dict[str, int] | None) -> AppendResult:
+        """The append of a few events (what stages do between batches) in two statements: one lookup of
+        everything the plan needs, and one ``BEGIN; ...; COMMIT`` of the inserts as literals. Same
+        plan and projections as :meth:`_append_locked` (Arrow path), which costs ~10 queries (~30-60 ms
+        here) whatever the batch size."""
+        streams = sorted({r.stream for r in rows})
+        names = {r.entity: r.node for r in rows}
+        for r in rows:
+            names.update(zip(r.causation, r.parents, strict=True))
+        enodes = sorted({r.node for r in rows})
+        found = con.execute(
+            """
+            SELECT 'seq' AS k, NULL::VARCHAR AS s, NULL::UBIGINT AS n, coalesce(max(seq), 0) AS v, NULL::VARCHAR[] AS ids,
+                   NULL::BIGINT[] AS nums, NULL::UBIGINT AS p FROM events
+            UNION ALL
+            SELECT 'stream', stream, NULL, max(stream_version),
+                   list(event_id) FILTER (WHERE event_id IN (SELECT unnest($ids::VARCHAR[]))), NULL, NULL
+            FROM events WHERE stream IN (SELECT unnest($streams::VARCHAR[])) GROUP BY stream
+            UNION ALL
+            SELECT 'name', name, node, NULL, NULL, NULL, NULL FROM entity_names WHERE node IN (SELECT unnest($nodes::UBIGINT[]))
+            UNION ALL
+            SELECT 'entity', NULL, node, NULL, NULL, [first_seq, last_seq, n_events], NULL FROM entity_index
+            WHERE node IN (SELECT unnest($enodes::UBIGINT[]))
+            UNION ALL
+            SELECT 'link', NULL, child, NULL, NULL, NULL, parent FROM lineage_links WHERE child IN (SELECT unnest($enodes::UBIGINT[]))
+            """,
+            {"ids": [r.event_id for r in rows], "streams": streams, "nodes": sorted(set(names.values())), "enodes": enodes},
+        ).fetchall()
+        base = next(v for k, _, _, v, _, _, _ in found if k == "seq")
+        known = [(st, v, ids or []) for k, st, _, v, ids, _, _ in found if k == "stream"]
+        old_names = [(n, st) for k, st, n, _, _, _, _ in found if k == "name"]
+        old_entities = {n: nums for k, _, n, _, _, nums, _ in found if k == "entity"}
+        old_links = {(n, p) for k, _, n, _, _, _, p in found if k == "link"}
+        plan = plan_append(pa.array([r.stream for r in rows], pa.string()), pa.array([r.event_id for r in rows], pa.string()),
+                           pa.array([k[0] for k in known], pa.string()), pa.array([k[1] for k in known], pa.int64()),
+                           pa.array([i for k in known for i in k[2]], pa.string()), expected_versions)
+        n_new = plan.n_new
+        result = AppendResult(appended=n_new, already_recorded=len(rows) - n_new)
+        if n_new == 0:
+            return result
+        new_names = {name: node for name, node in names.items() if name is not None}
+        EventStore._check_node_ids(pa.table({"name": list(new_names), "node": pa.array(list(new_names.values()), pa.uint64())}),
+                                   old_names)
+        known_nodes = {n for n, _ in old_names}
+        fresh = [r for r, keep in zip(rows, plan.fresh, strict=True) if keep]
+        stmts = ["BEGIN TRANSACTION"]
+        corr = _lit(correlation_id)
+        values = []
+        entities: dict[int, list[int]] = {}
+        links: dict[tuple[int, int], int] = {}
+        for k, (r, version) in enumerate(zip(fresh, plan.versions.tolist(), strict=True)):
+            seq = base + 1 + k
+            cause = "[" + ", ".join(_lit(c) for c in r.causation) + "]::VARCHAR[]"
+            sv = CATALOG[r.type].schema_version if r.type in CATALOG else 1
+            values.append(f"({seq}, '{r.event_id}', {_lit(r.stream)}, {version}, {_lit(r.type)}, {_lit(r.payload)}::JSON, "
+                          f"{cause}, {corr}, now(), {sv})")
+            e = entities.setdefault(r.node, [seq, seq, 0])
+            e[1], e[2] = seq, e[2] + 1
+            for name, parent in zip(r.causation, r.parents, strict=True):
+                if name is not None and name != r.entity and (r.node, parent) not in old_links:
+                    links.setdefault((r.node, parent), seq)
+        stmts.append("INSERT INTO events VALUES " + ", ".join(values))
+        add = sorted((node, name) for name, node in new_names.items() if node not in known_nodes)
+        if add:
+            stmts.append("INSERT INTO entity_names VALUES " + ", ".join(f"({n}, {_lit(x)})" for n, x in add))
+        ins = [f"({n}, {a}, {b}, {c})" for n, (a, b, c) in entities.items() if n not in old_entities]
+        if ins:
+            stmts.append("INSERT INTO entity_index VALUES " + ", ".join(ins))
+        for n, (_a, b, c) in entities.items():
+            if n in old_entities:
+                stmts.append(f"UPDATE entity_index SET last_seq = {b}, n_events = n_events + {c} WHERE node = {n}")
+        if links:
+            stmts.append("INSERT INTO lineage_links VALUES " + ", ".join(f"({c}, {p}, {q})" for (c, p), q in links.items()))
+        stmts.append("COMMIT")
+        try:
+            con.execute(";\n".join(stmts))
+        except duckdb.Error as e:
+            try:
+                con.execute("ROLLBACK")
+            except duckdb.Error:
+                pass
+            if isinstance(e, duckdb.ConversionException) and "JSON" in str(e):
+                raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
+            raise
+        result.first_seq, result.last_seq = base + 1, base + n_new
+        result.event_ids = [r.event_id for r in fresh]
+        return result
 
     def _append_locked(
         self,
