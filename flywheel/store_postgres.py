@@ -34,12 +34,14 @@ from typing import Any
 
 import duckdb
 import numpy as np
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from flywheel.events import CATALOG
 from flywheel.store import (
     EXPORT_TABLES,
+    SMALL_APPEND,
     AppendResult,
     ConcurrencyError,
     EventStore,
@@ -48,6 +50,7 @@ from flywheel.store import (
     StoreUnavailableError,
     _migrations,
     _split_sql,
+    _small_rows,
     _sql,
     event_id_sql,
     normalise_batch,
@@ -83,6 +86,10 @@ _EXPORT_SQL = {
 _BATCH_COLUMNS = "i, event_id, stream, type, payload, causation, entity, node, pnodes"
 
 
+def _signed(n: int) -> int:
+    return n - (1 << 64) if n >= 1 << 63 else n
+
+
 def _pg_text(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
     """Escape strings for COPY's text format (backslash, tab, newline, carriage return)."""
     arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
@@ -115,8 +122,6 @@ class PostgresEventStore(EventStore):
     backend = "postgresql"
 
     def __init__(self, url: str, *, read_only: bool = False, connect_timeout_s: int = 10, **_ignored: Any):
-        import psycopg
-
         self.url = url
         self.read_only = read_only
         self.path = None  # no file: see ``location``
@@ -194,9 +199,104 @@ class PostgresEventStore(EventStore):
         if self.read_only:
             raise StoreError(f"event store {self.location} is open read-only; appends need a writable store")
         batch = normalise_batch(table, validated)
+        if batch.num_rows <= SMALL_APPEND:
+            rows = _small_rows(batch)
+            if rows is not None:
+                with self._lock, self.con.transaction():
+                    return self._append_small(rows, correlation_id, expected_versions)
         cols = self._prepare(batch)
         with self._lock, self.con.transaction():
             return self._append_tx(batch, cols, correlation_id, expected_versions)
+
+    def _append_small(self, rows: list[Any], correlation_id: str | None,
+                      expected_versions: dict[str, int] | None) -> AppendResult:
+        """A few events (what stages do between batches): under the lock from the start, one lookup and
+        one statement of inserts from arrays (no COPY, no staging table); the same plan and projections
+        as the batch path."""
+        cur = self.con.cursor()
+        cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
+        streams = sorted({r.stream for r in rows})
+        found = cur.execute(
+            """
+            SELECT NULL::text, coalesce(max(seq), 0), NULL::text[] FROM events
+            UNION ALL
+            SELECT s, (SELECT max(stream_version) FROM events e WHERE e.stream = s),
+                   ARRAY(SELECT e.event_id FROM events e WHERE e.stream = s AND e.event_id = ANY(%(ids)s))
+            FROM unnest(%(streams)s::text[]) AS s
+            """,
+            {"ids": [r.event_id for r in rows], "streams": streams},
+        ).fetchall()
+        base = found[0][1]
+        known = [(st, v, ids) for st, v, ids in found[1:] if v is not None]
+        plan = plan_append(pa.array([r.stream for r in rows], pa.string()), pa.array([r.event_id for r in rows], pa.string()),
+                           pa.array([k[0] for k in known], pa.string()), pa.array([k[1] for k in known], pa.int64()),
+                           pa.array([i for k in known for i in k[2]], pa.string()), expected_versions)
+        n_new = plan.n_new
+        result = AppendResult(appended=n_new, already_recorded=len(rows) - n_new)
+        if n_new == 0:
+            return result
+        fresh = [r for r, keep in zip(rows, plan.fresh, strict=True) if keep]
+        names: dict[str, int] = {}
+        for r in rows:
+            names[r.entity] = r.node
+            names.update((c, p) for c, p in zip(r.causation, r.parents, strict=True) if c is not None)
+        EventStore._check_node_ids(pa.table({"name": list(names), "node": pa.array(list(names.values()), pa.uint64())}), [])
+        ev = {"seq": [], "id": [], "stream": [], "version": [], "type": [], "payload": [], "causation": [], "sv": []}
+        entities: dict[int, list[int]] = {}
+        links: dict[tuple[int, int], int] = {}
+        for k, (r, version) in enumerate(zip(fresh, plan.versions.tolist(), strict=True)):
+            seq = base + 1 + k
+            for key, v in (("seq", seq), ("id", r.event_id), ("stream", r.stream), ("version", version), ("type", r.type),
+                           ("payload", r.payload), ("causation", "{" + ",".join(
+                               '"' + c.replace("\\", "\\\\").replace('"', '\\"') + '"' if c is not None else "NULL"
+                               for c in r.causation) + "}"),
+                           ("sv", CATALOG[r.type].schema_version if r.type in CATALOG else 1)):
+                ev[key].append(v)
+            e = entities.setdefault(_signed(r.node), [seq, seq, 0])
+            e[1], e[2] = seq, e[2] + 1
+            for name, parent in zip(r.causation, r.parents, strict=True):
+                if name is not None and name != r.entity:
+                    links.setdefault((_signed(r.node), _signed(parent)), seq)
+        try:
+            clash = cur.execute(
+                """
+                WITH x AS (SELECT * FROM unnest(%(nn)s::bigint[], %(nm)s::text[]) AS x(node, name)),
+                have AS MATERIALIZED (SELECT x.name, n.name AS old FROM x JOIN entity_names n ON n.node = x.node),
+                nm AS (INSERT INTO entity_names (node, name) SELECT node, name FROM x ORDER BY node ON CONFLICT (node) DO NOTHING),
+                ins AS (
+                    INSERT INTO events (seq, event_id, stream, stream_version, type, payload, causation, correlation_id,
+                                        recorded_at, schema_version)
+                    SELECT seq, id, stream, version, type, payload::json, causation::text[], %(corr)s, now(), sv
+                    FROM unnest(%(seq)s::bigint[], %(id)s::text[], %(stream)s::text[], %(version)s::bigint[],
+                                %(type)s::text[], %(payload)s::text[], %(causation)s::text[], %(sv)s::int[])
+                         AS e(seq, id, stream, version, type, payload, causation, sv)
+                ),
+                ent AS (
+                    INSERT INTO entity_index (node, first_seq, last_seq, n_events)
+                    SELECT * FROM unnest(%(en)s::bigint[], %(ef)s::bigint[], %(el)s::bigint[], %(ec)s::bigint[])
+                    ON CONFLICT (node) DO UPDATE SET last_seq = excluded.last_seq,
+                                                     n_events = entity_index.n_events + excluded.n_events
+                ),
+                lin AS (
+                    INSERT INTO lineage_links (child, parent, seq)
+                    SELECT * FROM unnest(%(lc)s::bigint[], %(lp)s::bigint[], %(ls)s::bigint[])
+                    ON CONFLICT (child, parent) DO NOTHING
+                )
+                SELECT old, name FROM have WHERE name <> old LIMIT 1
+                """,
+                {"nn": [_signed(n) for n in names.values()], "nm": list(names), "corr": correlation_id, **ev,
+                 "en": list(entities), "ef": [v[0] for v in entities.values()], "el": [v[1] for v in entities.values()],
+                 "ec": [v[2] for v in entities.values()], "lc": [c for c, _ in links], "lp": [p for _, p in links],
+                 "ls": list(links.values())},
+            ).fetchone()
+        except psycopg.errors.InvalidTextRepresentation as e:
+            raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
+        if clash:
+            raise StoreError(f"entity ids collide: {clash[0]!r} and {clash[1]!r} share the node id "
+                             f"{signed_node_id(clash[0])}; rename one of these entities (nothing was appended)")
+        result.first_seq, result.last_seq = base + 1, base + n_new
+        result.event_ids = [r.event_id for r in fresh]
+        return result
 
     def _prepare(self, batch: pa.Table) -> pa.Table:
         """Event ids, entity ids, node ids (signed) and the causation's node ids, computed in DuckDB."""
@@ -258,8 +358,6 @@ class PostgresEventStore(EventStore):
 
     def _append_tx(self, batch: pa.Table, cols: pa.Table, correlation_id: str | None,
                    expected_versions: dict[str, int] | None) -> AppendResult:
-        import psycopg
-
         con = self.con
         cur = con.cursor()
         n_rows = batch.num_rows
