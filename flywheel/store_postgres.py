@@ -59,6 +59,8 @@ from flywheel.store import (
     signed_node_id,
 )
 
+# Tries of a batch append that lost a race with another writer creating the same entity.
+APPEND_ATTEMPTS = 5
 # pg_advisory_xact_lock keys (two int4: "flyw", purpose): appends + rebuilds, and migrations.
 _APPEND_LOCK = (0x666C7977, 1)
 _MIGRATE_LOCK = (0x666C7977, 2)
@@ -84,6 +86,38 @@ _EXPORT_SQL = {
                       pa.schema([("child", pa.string()), ("parent", pa.string()), ("seq", pa.int64())])),
 }
 _BATCH_COLUMNS = "i, event_id, stream, type, payload, causation, entity, node, pnodes"
+
+
+def _names_of(batch: pa.Table, cols: pa.Table) -> pa.Table:
+    """(node, name) of every entity and causation name of a batch, once, sorted by node."""
+    causation = batch.column("causation").combine_chunks()
+    pnodes = cols.column("pnodes").combine_chunks()
+    t = pa.concat_tables([
+        pa.table({"node": cols.column("node"), "name": cols.column("entity")}),
+        pa.table({"node": pc.list_flatten(pnodes), "name": pc.list_flatten(causation)}),
+    ])
+    t = t.filter(pc.is_valid(t.column("name"))).group_by(["node", "name"]).aggregate([])
+    return t.sort_by("node")
+
+
+def _edges_of(rows: pa.Table, cols: pa.Table, seq: pa.Array) -> pa.Table:
+    """(child node, parent node, seq) for every causation name of the rows that is not the row's entity."""
+    causation = rows.column("causation").combine_chunks()
+    pnodes = cols.column("pnodes").combine_chunks()
+    owner = pc.list_parent_indices(causation)
+    names = pc.list_flatten(causation)
+    t = pa.table({"child": pc.take(cols.column("node"), owner), "parent": pc.list_flatten(pnodes), "name": names,
+                  "entity": pc.take(cols.column("entity"), owner), "seq": pc.take(seq, owner)})
+    keep = pc.and_(pc.is_valid(t.column("name")), pc.not_equal(t.column("name"), t.column("entity")))
+    return t.filter(keep).select(["child", "parent", "seq"])
+
+
+def _schema_versions(types: pa.ChunkedArray | pa.Array) -> pa.Array:
+    versions = pa.array(np.ones(len(types), dtype=np.int32))
+    for t, spec in CATALOG.items():
+        if spec.schema_version != 1:
+            versions = pc.if_else(pc.equal(types, t), pa.scalar(spec.schema_version, pa.int32()), versions)
+    return versions
 
 
 def _signed(n: int) -> int:
@@ -136,7 +170,6 @@ class PostgresEventStore(EventStore):
         self._calc = duckdb.connect()  # in-memory: event ids and node ids of batches, off the server
         if not read_only:
             self._migrate()
-        self._ensure_temp_tables()
 
     @property
     def location(self) -> str:
@@ -170,13 +203,6 @@ class PostgresEventStore(EventStore):
                     con.execute(stmt)
                 con.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", [version, name])
 
-    def _ensure_temp_tables(self) -> None:
-        # Session-private staging tables, emptied at every commit (no WAL, invisible to other sessions).
-        self.con.execute(
-            "CREATE TEMP TABLE IF NOT EXISTS _fw_batch (i BIGINT, event_id TEXT, stream TEXT, type TEXT, "
-            "payload TEXT, causation TEXT[], entity TEXT, node BIGINT, pnodes BIGINT[]) ON COMMIT DELETE ROWS"
-        )
-
     def _q(self, sql: str, params: Any = None) -> list[tuple]:
         self._check_open()
         with self._lock:
@@ -205,8 +231,18 @@ class PostgresEventStore(EventStore):
                 with self._lock, self.con.transaction():
                     return self._append_small(rows, correlation_id, expected_versions)
         cols = self._prepare(batch)
-        with self._lock, self.con.transaction():
-            return self._append_tx(batch, cols, correlation_id, expected_versions)
+        for attempt in range(APPEND_ATTEMPTS):
+            try:
+                with self._lock, self.con.transaction():
+                    return self._append_tx(batch, cols, correlation_id, expected_versions)
+            except psycopg.errors.UniqueViolation:
+                # Another writer created one of this batch's entities, names or edges between the lookups
+                # and the copy: nothing was appended; look again.
+                if attempt == APPEND_ATTEMPTS - 1:
+                    raise
+            except psycopg.errors.InvalidTextRepresentation as e:
+                raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
+        raise AssertionError("unreachable")
 
     def _append_small(self, rows: list[Any], correlation_id: str | None,
                       expected_versions: dict[str, int] | None) -> AppendResult:
@@ -316,151 +352,128 @@ class PostgresEventStore(EventStore):
             raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
         finally:
             self._calc.unregister("_b")
-        return out.set_column(3, "node", pc.cast(out.column("node"), pa.int64(), safe=False))
+        out = out.set_column(3, "node", pc.cast(out.column("node"), pa.int64(), safe=False))
+        pn = out.column("pnodes").combine_chunks()
+        pn = pa.ListArray.from_arrays(pn.offsets, pc.cast(pn.values, pa.int64(), safe=False))
+        return out.set_column(4, "pnodes", pn)
 
-    def _copy_batch(self, cur: Any, batch: pa.Table, cols: pa.Table) -> None:
-        pnodes = cols.column("pnodes").combine_chunks()
-        pnodes = pa.ListArray.from_arrays(pnodes.offsets, pc.cast(pnodes.values, pa.int64(), safe=False))
-        fields = [
-            pc.cast(cols.column("i"), pa.string()), cols.column("event_id").combine_chunks(),
-            _pg_text(batch.column("stream")), _pg_text(batch.column("type")), _pg_text(batch.column("payload")),
-            _pg_text(_pg_array(batch.column("causation"), quote=True)), _pg_text(cols.column("entity")),
-            pc.cast(cols.column("node"), pa.string()), _pg_array(pnodes, quote=False),
-        ]
-        fields = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
-        rows = pc.binary_join_element_wise(*fields, "\t")
-        rows = pc.binary_join_element_wise(rows, "", "\n")  # "row\n": the value buffer is the COPY stream
-        offsets = rows.buffers()[1]
-        first, last = np.frombuffer(offsets, dtype=np.int32, count=len(rows) + 1 + rows.offset)[[rows.offset, -1]]
-        data = memoryview(rows.buffers()[2])[int(first):int(last)]
-        with cur.copy(f"COPY _fw_batch ({_BATCH_COLUMNS}) FROM STDIN") as cp:
-            cp.write(data)
-
-    def _lookup(self, cur: Any, streams: list[str] | None) -> tuple[pa.Array, pa.Array, pa.Array]:
-        """The batch's streams that exist (all of them, or only ``streams``), their versions, and the
-        batch's event ids they hold (an event_id hashes its stream: only existing streams can)."""
-        where = "" if streams is None else "WHERE s.stream = ANY(%s)"
+    def _lookup(self, cur: Any, streams: list[str]) -> tuple[pa.Array, pa.Array, pa.Array]:
+        """Of ``streams``: those that exist, their versions, and the batch's event ids they hold (an
+        event_id hashes its stream, so only existing streams can hold one)."""
+        if not streams:
+            return pa.array([], pa.string()), pa.array([], pa.int64()), pa.array([], pa.string())
         rows = cur.execute(
-            f"""
-            SELECT s.stream, (SELECT max(e.stream_version) FROM events e WHERE e.stream = s.stream) AS v
-            FROM (SELECT DISTINCT stream FROM _fw_batch) s {where}
-            """,
-            [streams] if streams is not None else None,
-        ).fetchall()
-        known = [(s, v) for s, v in rows if v is not None]
+            "SELECT s, (SELECT max(e.stream_version) FROM events e WHERE e.stream = s) FROM unnest(%s::text[]) AS s",
+            [streams]).fetchall()
+        known = [(st, v) for st, v in rows if v is not None]
         held: list[str] = []
         if known:
             held = [r[0] for r in cur.execute(
-                "SELECT b.event_id FROM _fw_batch b JOIN events e ON e.event_id = b.event_id "
-                "WHERE b.stream = ANY(%s)", [[s for s, _ in known]]).fetchall()]
-        return (pa.array([s for s, _ in known], pa.string()), pa.array([int(v) for _, v in known], pa.int64()),
+                "SELECT e.event_id FROM events e JOIN unnest(%s::text[]) AS k(s) ON e.stream = k.s",
+                [[st for st, _ in known]]).fetchall()]
+        return (pa.array([st for st, _ in known], pa.string()), pa.array([int(v) for _, v in known], pa.int64()),
                 pa.array(held, pa.string()))
+
+    @staticmethod
+    def _copy(cur: Any, table: str, columns: str, fields: list[pa.Array]) -> None:
+        """COPY rows given as columns already in COPY's text form (built column-wise in Arrow)."""
+        fields = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
+        rows = pc.binary_join_element_wise(*fields, "\t") if len(fields) > 1 else fields[0]
+        rows = pc.binary_join_element_wise(rows, "", "\n")  # "row\n": the value buffer is the COPY stream
+        if not len(rows):
+            return
+        offsets = np.frombuffer(rows.buffers()[1], dtype=np.int32, count=len(rows) + 1 + rows.offset)
+        first, last = int(offsets[rows.offset]), int(offsets[-1])
+        with cur.copy(f"COPY {table} ({columns}) FROM STDIN") as cp:
+            cp.write(memoryview(rows.buffers()[2])[first:last])
 
     def _append_tx(self, batch: pa.Table, cols: pa.Table, correlation_id: str | None,
                    expected_versions: dict[str, int] | None) -> AppendResult:
-        con = self.con
-        cur = con.cursor()
+        """One try of a batch append (see the module docstring). Raises UniqueViolation when another
+        writer created one of the batch's entities or names meanwhile: the caller retries."""
+        cur = self.con.cursor()
         n_rows = batch.num_rows
-        # Phase 1, no lock: stage the batch, look its streams up, record the names it mentions.
-        self._copy_batch(cur, batch, cols)
-        if n_rows >= 1000:  # a temp table has no statistics: without them the joins below nest loops
-            cur.execute("ANALYZE _fw_batch")
+        streams = batch.column("stream")
+        ids = cols.column("event_id")
+        uniq = pc.unique(streams).to_pylist()
+        # Phase 1, no lock: look the batch's streams up, record the names it mentions, find which of its
+        # entities exist.
         watermark = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
-        known_s, known_v, held = self._lookup(cur, None)
-        clash = cur.execute(
-            """
-            WITH x AS MATERIALIZED (
-                SELECT DISTINCT node, name FROM (
-                    SELECT node, entity AS name FROM _fw_batch
-                    UNION ALL SELECT unnest(pnodes), unnest(causation) FROM _fw_batch
-                ) y WHERE name IS NOT NULL
-            ), have AS MATERIALIZED (
-                SELECT x.node, x.name AS new_name, n.name AS old_name FROM x JOIN entity_names n ON n.node = x.node
-            ), ins AS (
-                INSERT INTO entity_names (node, name)
-                SELECT x.node, x.name FROM x WHERE NOT EXISTS (SELECT 1 FROM have h WHERE h.node = x.node)
-                ORDER BY x.node
-                ON CONFLICT (node) DO NOTHING
-            )
-            SELECT old_name, new_name FROM have WHERE new_name <> old_name
-            UNION ALL SELECT a.name, b.name FROM x a JOIN x b ON a.node = b.node AND a.name < b.name
-            LIMIT 1
-            """
-        ).fetchone()
-        if clash:
-            raise StoreError(f"entity ids collide: {clash[0]!r} and {clash[1]!r} share the node id "
-                             f"{signed_node_id(clash[0])}; rename one of these entities (nothing was appended)")
+        known_s, known_v, held = self._lookup(cur, uniq)
+        names = _names_of(batch, cols)
+        EventStore._check_node_ids(pa.table({"name": names.column("name"),
+                                             "node": pc.cast(names.column("node"), pa.uint64(), safe=False)}), [])
+        have = cur.execute("SELECT node, name FROM entity_names WHERE node = ANY(%s)",
+                           [names.column("node").to_pylist()]).fetchall()
+        EventStore._check_node_ids(pa.table({"name": names.column("name"),
+                                             "node": pc.cast(names.column("node"), pa.uint64(), safe=False)}),
+                                   [(n % (1 << 64), x) for n, x in have])
+        fresh_names = names.filter(pc.invert(pc.is_in(names.column("node"), value_set=pa.array([n for n, _ in have],
+                                                                                                   pa.int64()))))
+        self._copy(cur, "entity_names", "node, name",
+                   [pc.cast(fresh_names.column("node"), pa.string()), _pg_text(fresh_names.column("name"))])
+        enodes = pc.unique(cols.column("node"))
+        old_entities = pa.array([r[0] for r in cur.execute(
+            "SELECT node FROM entity_index WHERE node = ANY(%s)", [enodes.to_pylist()]).fetchall()], pa.int64())
         # Phase 2: number the events under the lock.
         cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
-        # Sorts and hash aggregates of a 100k-row batch spill to disk at the default 4 MB.
-        cur.execute("SET LOCAL work_mem = '128MB'")
         base = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
         if base > watermark:
             touched = [r[0] for r in cur.execute(
-                "SELECT DISTINCT e.stream FROM events e WHERE e.seq > %s AND e.stream IN (SELECT stream FROM _fw_batch)",
-                [watermark]).fetchall()]
+                "SELECT stream FROM events WHERE seq > %s INTERSECT SELECT unnest(%s::text[])", [watermark, uniq]).fetchall()]
             if touched:  # another writer appended to our streams meanwhile: look those up again
                 s2, v2, h2 = self._lookup(cur, touched)
                 keep = pc.invert(pc.is_in(known_s, value_set=pa.array(touched, pa.string())))
                 known_s = pa.concat_arrays([known_s.filter(keep), s2])
                 known_v = pa.concat_arrays([known_v.filter(keep), v2])
                 held = pa.concat_arrays([held, h2])
-        plan = plan_append(batch.column("stream"), cols.column("event_id"), known_s, known_v, held, expected_versions)
+        plan = plan_append(streams, ids, known_s, known_v, held, expected_versions)
         n_new = plan.n_new
         result = AppendResult(appended=n_new, already_recorded=n_rows - n_new)
         if n_new == 0:
             return result
-        idx = np.flatnonzero(plan.fresh).astype(np.int64)
-        try:
+        mask = pa.array(plan.fresh)
+        rows = batch.filter(mask) if n_new < n_rows else batch
+        fcols = cols.filter(mask) if n_new < n_rows else cols
+        seq = pa.array(np.arange(base + 1, base + 1 + n_new, dtype=np.int64))
+        corr = "\\N" if correlation_id is None else _pg_text(pa.array([correlation_id]))[0].as_py()
+        self._copy(cur, "events", "seq, event_id, stream, stream_version, type, payload, causation, correlation_id, "
+                   "schema_version", [
+                       pc.cast(seq, pa.string()), fcols.column("event_id"), _pg_text(rows.column("stream")),
+                       pc.cast(pa.array(plan.versions), pa.string()), _pg_text(rows.column("type")),
+                       _pg_text(rows.column("payload")), _pg_text(_pg_array(rows.column("causation"), quote=True)),
+                       pa.array([corr] * n_new, pa.string()), pc.cast(_schema_versions(rows.column("type")), pa.string()),
+                   ])
+        # entity_index: new entities copied in, known ones updated.
+        node = fcols.column("node")
+        agg = pa.table({"node": node, "seq": seq}).group_by("node").aggregate(
+            [("seq", "min"), ("seq", "max"), ("seq", "count")])
+        is_old = pc.is_in(agg.column("node"), value_set=old_entities)
+        new_e, old_e = agg.filter(pc.invert(is_old)), agg.filter(is_old)
+        self._copy(cur, "entity_index", "node, first_seq, last_seq, n_events",
+                   [pc.cast(new_e.column(c), pa.string()) for c in ("node", "seq_min", "seq_max", "seq_count")])
+        if old_e.num_rows:
             cur.execute(
-                f"""
-                WITH plan AS (
-                    SELECT p.i, p.version, %(base)s::BIGINT + p.ord AS seq
-                    FROM unnest(%(idx)s::BIGINT[], %(ver)s::BIGINT[]) WITH ORDINALITY AS p(i, version, ord)
-                ), r AS MATERIALIZED (
-                    SELECT plan.seq, plan.version, b.* FROM plan JOIN _fw_batch b ON b.i = plan.i
-                ), ins AS (
-                    INSERT INTO events (seq, event_id, stream, stream_version, type, payload, causation,
-                                        correlation_id, recorded_at, schema_version)
-                    SELECT r.seq, r.event_id, r.stream, r.version, r.type, r.payload::json, r.causation,
-                           %(corr)s, now(), {_SCHEMA_VERSION_SQL}
-                    FROM r ORDER BY r.seq
-                ), agg AS MATERIALIZED (
-                    SELECT node, min(seq) AS first_seq, max(seq) AS last_seq, count(*) AS n FROM r GROUP BY node
-                ), old AS MATERIALIZED (  -- the batch's entities recorded before it (the others are new)
-                    SELECT a.node FROM agg a JOIN entity_index e ON e.node = a.node
-                ), ent_new AS (
-                    INSERT INTO entity_index (node, first_seq, last_seq, n_events)
-                    SELECT a.node, a.first_seq, a.last_seq, a.n FROM agg a
-                    WHERE NOT EXISTS (SELECT 1 FROM old o WHERE o.node = a.node)
-                ), ent_old AS (
-                    UPDATE entity_index e SET last_seq = a.last_seq, n_events = e.n_events + a.n
-                    FROM agg a JOIN old o ON o.node = a.node WHERE e.node = a.node
-                ), edges AS MATERIALIZED (
-                    SELECT r.node AS child, c.pnode AS parent, min(r.seq) AS seq
-                    FROM r CROSS JOIN LATERAL unnest(r.causation, r.pnodes) AS c(name, pnode)
-                    WHERE c.name IS NOT NULL AND c.name <> r.entity
-                    GROUP BY r.node, c.pnode
-                ), lin_new AS (  -- an edge can exist already only if its child entity did
-                    INSERT INTO lineage_links (child, parent, seq)
-                    SELECT x.child, x.parent, x.seq FROM edges x WHERE NOT EXISTS (SELECT 1 FROM old o WHERE o.node = x.child)
-                ), lin_old AS (
-                    INSERT INTO lineage_links (child, parent, seq)
-                    SELECT x.child, x.parent, x.seq FROM edges x JOIN old o ON o.node = x.child
-                    ON CONFLICT (child, parent) DO NOTHING
-                )
-                SELECT 1
-                """,
-                {"base": base, "idx": idx.tolist(), "ver": plan.versions.tolist(), "corr": correlation_id},
-            )
-        except psycopg.errors.InvalidTextRepresentation as e:
-            raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
-        except psycopg.errors.UniqueViolation as e:  # pragma: no cover - the lock makes this unreachable
-            raise ConcurrencyError("?", -1, -1) from e
+                "UPDATE entity_index e SET last_seq = u.last, n_events = e.n_events + u.n "
+                "FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[]) AS u(node, last, n) WHERE e.node = u.node",
+                [old_e.column("node").to_pylist(), old_e.column("seq_max").to_pylist(), old_e.column("seq_count").to_pylist()])
+        # lineage_links: one row per (child, parent), the first event that recorded it; an edge can exist
+        # already only if its child entity did.
+        edges = _edges_of(rows, fcols, seq)
+        if edges.num_rows:
+            edges = edges.group_by(["child", "parent"]).aggregate([("seq", "min")])
+            is_old = pc.is_in(edges.column("child"), value_set=old_entities)
+            new_l, old_l = edges.filter(pc.invert(is_old)), edges.filter(is_old)
+            self._copy(cur, "lineage_links", "child, parent, seq",
+                       [pc.cast(new_l.column(c), pa.string()) for c in ("child", "parent", "seq_min")])
+            if old_l.num_rows:
+                cur.execute(
+                    "INSERT INTO lineage_links (child, parent, seq) SELECT * FROM unnest(%s::bigint[], %s::bigint[], "
+                    "%s::bigint[]) ON CONFLICT (child, parent) DO NOTHING",
+                    [old_l.column(c).to_pylist() for c in ("child", "parent", "seq_min")])
         result.first_seq, result.last_seq = base + 1, base + n_new
         if n_new <= 10_000:
-            ids = cols.column("event_id")
-            result.event_ids = ids.filter(pa.array(plan.fresh)).to_pylist() if n_new < n_rows else ids.to_pylist()
+            result.event_ids = fcols.column("event_id").to_pylist()
         return result
 
     # -- projections -------------------------------------------------------------------------

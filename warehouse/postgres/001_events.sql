@@ -1,20 +1,22 @@
 -- PostgreSQL 001: the event store and its projections for team mode (store.url = "postgresql://...").
--- The same tables as the embedded DuckDB warehouse after its migration 003, with PostgreSQL's own
--- B-tree indexes doing what the DuckDB append transaction does by hand: PRIMARY KEY (seq),
--- UNIQUE (event_id) and UNIQUE (stream, stream_version) are enforced here by the server, for any
--- number of writers on any number of machines. Applied by flywheel.store_postgres under an advisory
--- lock (writers starting at once migrate once).
+-- The same tables as the embedded DuckDB warehouse after its migration 003. The server enforces
+-- PRIMARY KEY (seq) and UNIQUE (stream, stream_version) for any number of writers on any number of
+-- machines; event_id uniqueness is the append's (under its advisory lock it skips an event whose id its
+-- stream already holds, found through the (stream, stream_version) index): an id hashes its stream,
+-- and a UNIQUE index on 35-character random ids cost more per append than any other index here.
+-- check_integrity() verifies it. Applied by flywheel.store_postgres under an advisory lock (writers
+-- starting at once migrate once).
 
 CREATE TABLE events (
     seq            BIGINT      NOT NULL PRIMARY KEY,   -- global order, 1, 2, 3, ... (commit order)
-    event_id       TEXT COLLATE "C" NOT NULL UNIQUE,   -- hash(type, stream, canonical payload)
+    event_id       TEXT COLLATE "C" NOT NULL,          -- hash(type, stream, canonical payload), unique by append
     stream         TEXT COLLATE "C" NOT NULL,          -- "C": byte order, as DuckDB sorts, and cheap to index
     stream_version BIGINT      NOT NULL,               -- 1, 2, 3, ... per stream
     type           TEXT        NOT NULL,
     payload        JSON        NOT NULL,               -- json keeps the canonical text the id hashes
     causation      TEXT[]      NOT NULL,               -- entity ids this event was caused by
     correlation_id TEXT,                               -- the run (cycle, CLI call) that produced it
-    recorded_at    TIMESTAMPTZ NOT NULL,
+    recorded_at    TIMESTAMPTZ NOT NULL DEFAULT now(), -- the appending transaction's start
     schema_version INTEGER     NOT NULL,
     UNIQUE (stream, stream_version)
 );
