@@ -5,16 +5,17 @@ Same contract as the embedded store (:mod:`flywheel.store`); what differs is how
 - Uniqueness is the server's: PRIMARY KEY (seq), UNIQUE (event_id), UNIQUE (stream, stream_version)
   (``warehouse/postgres/001_events.sql``), so any number of writers on any number of machines share
   the store.
-- An append is one transaction in three phases. (1) Without any lock: the batch's event ids, entity
+- An append is one transaction in three phases. (1) Without the lock: the batch's event ids, entity
   ids and node ids are computed in this process (DuckDB over the Arrow batch, the same SQL as the
-  embedded store), the batch is COPYed (text format, built column-wise in Arrow) into a temporary
-  table, the streams it touches are looked up, and the names it mentions are inserted into
-  ``entity_names`` (``ON CONFLICT DO NOTHING``: a name never changes). (2) Under
-  ``pg_advisory_xact_lock``: ``seq`` continues from ``max(seq)``; if another writer touched one of the
-  batch's streams since phase 1, those lookups are redone; ``expected_versions`` are checked; one
-  statement inserts the events and upserts ``entity_index`` and ``lineage_links``. (3) COMMIT, which
-  releases the lock: appends commit in seq order, so seq has no gaps and a reader that saw seq n has
-  seen every event before it.
+  embedded store), its streams' versions and the names and entities it mentions are looked up, and
+  its new names are COPYed into ``entity_names``. (2) Under ``pg_advisory_xact_lock``: ``seq``
+  continues from ``max(seq)``; streams another writer appended to since phase 1 are looked up again;
+  ``expected_versions`` are checked; the events, the new entities and the new lineage edges are
+  COPYed in (COPY's text format, built column-wise in Arrow), known entities updated. (3) COMMIT,
+  which releases the lock: appends commit in seq order, so seq has no gaps and a reader that saw seq
+  n has seen every event before it. A writer that created one of the batch's entities or names
+  between (1) and (2) makes the copy fail on a unique index: the append is retried from (1).
+  Batches of up to :data:`flywheel.store.SMALL_APPEND` events skip COPY: one lookup and one statement.
 - Lineage walks are recursive CTEs over the (child, parent) primary key and the (parent, child) index
   (``warehouse/postgres/queries``). Why not DuckDB attached to PostgreSQL through its ``postgres``
   extension: that extension is downloaded from DuckDB's extension repository at ``INSTALL`` time
@@ -22,7 +23,11 @@ Same contract as the embedded store (:mod:`flywheel.store`); what differs is how
   recursive CTE on the server answers the benchmark's model -> traces walk within its target
   (``benchmarks/bench_event_store.py``).
 
-Driver: psycopg 3 (``COPY ... FROM STDIN`` for batches, server-side cursors for exports).
+Driver: psycopg 3 (``COPY ... FROM STDIN`` for batches, server-side cursors for exports); asyncpg
+(installed with Prefect) would need an event loop in every stage for the same COPY.
+
+Not guaranteed: a 64-bit node-id collision between two names created by two writers at the same
+instant is not detected at append time (each checks the names it saw); ``check_integrity`` reports it.
 """
 
 from __future__ import annotations
