@@ -25,9 +25,6 @@ Same contract as the embedded store (:mod:`flywheel.store`); what differs is how
 
 Driver: psycopg 3 (``COPY ... FROM STDIN`` for batches, server-side cursors for exports); asyncpg
 (installed with Prefect) would need an event loop in every stage for the same COPY.
-
-Not guaranteed: a 64-bit node-id collision between two names created by two writers at the same
-instant is not detected at append time (each checks the names it saw); ``check_integrity`` reports it.
 """
 
 from __future__ import annotations
