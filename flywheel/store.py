@@ -531,6 +531,10 @@ class EventStore:
     def _table_batches(self, table: str) -> pa.RecordBatchReader:  # pragma: no cover - every backend overrides
         raise NotImplementedError
 
+    def entity_states(self, entity_ids: Sequence[str]) -> dict[str, str]:
+        """The current state (latest payload, JSON text) of each of these entities that exists."""
+        return {k: v for k, (v, _) in self.entity_heads(entity_ids).items()}
+
     @contextmanager
     def memory_limit(self, mb: int) -> Iterator[None]:
         """Cap the store's buffer memory in this process while the block runs (embedded owner only;
@@ -1303,10 +1307,6 @@ class DuckDBEventStore(EventStore):
         if not len(values):
             return []
         return self._with_keys(values, "SELECT DISTINCT stream FROM events WHERE stream IN (SELECT k FROM _fw_keys)")
-
-    def entity_states(self, entity_ids: Sequence[str]) -> dict[str, str]:
-        """The current state (latest payload, JSON text) of each of these entities that exists."""
-        return {k: v for k, (v, _) in self.entity_heads(entity_ids).items()}
 
     def entity_heads(self, entity_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
         """For each of these entities that exists: its state (JSON text) and the version its latest

@@ -734,7 +734,8 @@ class PostgresEventStore(EventStore):
                 _pg_text(_pg_array(t.column("causation"), quote=True)),
                 pc.if_else(pc.is_null(t.column("correlation_id")), "\\N",
                            _pg_text(pc.fill_null(t.column("correlation_id"), ""))),
-                pc.strftime(ts, format="%Y-%m-%dT%H:%M:%S.%f+00:00"), pc.cast(t.column("schema_version"), pa.string()),
+                pc.strftime(ts, format="%Y-%m-%dT%H:%M:%S+00:00"),  # Arrow's %S has the microseconds
+                pc.cast(t.column("schema_version"), pa.string()),
             ]
             fields = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
             rows = pc.binary_join_element_wise(*fields, "\t")

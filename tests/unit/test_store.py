@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -400,3 +401,28 @@ def test_export_path_with_a_quote_is_a_path_not_sql(store, tmp_path):
     assert pq.read_table(written["events"]).num_rows == store.last_seq() == 9
     assert sorted(os.listdir(out)) == sorted(f"{t}.parquet" for t in written)
     assert store.check_integrity() == []
+
+
+def test_stage_queries_answer_the_same_on_both_backends(store):
+    """The questions stages used to ask in DuckDB SQL on store.con, as store methods."""
+    store.append("suite:heldout", NewEvent("suite.versioned", {"entity_id": "suite:heldout@1"}))
+    store.append("suite:heldout", NewEvent("suite.versioned", {"entity_id": "suite:heldout@2"}))
+    store.append("trace:ok", NewEvent("trace.ingested", {"status": "success", "timestamp": "2026-01-02T03:04:05Z"}))
+    store.append("trace:bad", NewEvent("trace.ingested", {"status": "failure", "kinds": ["tool_call", "json"],
+                                                          "timestamp": "2026-01-03T00:00:00Z"}))
+    store.append("trace:bad2", NewEvent("trace.ingested", {"status": "failure", "kinds": ["json"],
+                                                           "timestamp": "2026-01-03T10:00:00Z"}))
+    store.append("failure:f", [NewEvent("failure.classified", {"entity_id": "failure:f", "n": 1}, ["trace:bad"]),
+                               NewEvent("failure.classified", {"entity_id": "failure:f", "n": 2}, ["trace:bad2"])])
+    assert store.latest_entity_id("suite:heldout@") == "suite:heldout@2"
+    assert store.latest_entity_id("suite:train@") is None
+    assert store.event_stats(["failure.classified"]) == (2, 7)
+    assert store.event_stats(["failure.classified", "trace.ingested"], after_seq=5) == (2, 7)
+    assert sorted(store.existing_streams(["trace:ok", "trace:nope", "failure:f"])) == ["failure:f", "trace:ok"]
+    assert sorted(store.existing_streams(pa.array(["trace:bad"]))) == ["trace:bad"]
+    heads = store.entity_heads(["failure:f", "failure:none"])
+    assert list(heads) == ["failure:f"] and json.loads(heads["failure:f"][0])["n"] == 2 and heads["failure:f"][1] == 2
+    assert json.loads(store.entity_states(["trace:ok"])["trace:ok"])["status"] == "success"
+    assert [e for e, _ in store.trace_states("success")] == ["trace:ok"]
+    assert [e for e, _ in store.trace_states("failure")] == ["trace:bad", "trace:bad2"]
+    assert store.failure_kinds_by_day() == [("2026-01-03", "json", 2), ("2026-01-03", "tool_call", 1)]
