@@ -784,15 +784,18 @@ class DuckDBEventStore(EventStore):
 
     @contextmanager
     def transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        con = self._writable()
-        con.execute("BEGIN TRANSACTION")
-        try:
-            yield con
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
-        else:
-            con.execute("COMMIT")
+        """A write transaction on this process's write connection, under the per-file lock (appends of
+        other threads and of the processes this one serves wait for it)."""
+        with self._lock:
+            con = self._writable()
+            con.execute("BEGIN TRANSACTION")
+            try:
+                yield con
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            else:
+                con.execute("COMMIT")
 
     @contextmanager
     def memory_limit(self, mb: int) -> Iterator[None]:
