@@ -45,14 +45,13 @@ from flywheel.store import (
     EXPORT_TABLES,
     SMALL_APPEND,
     AppendResult,
-    ConcurrencyError,
     EventStore,
     InvalidEventError,
     StoreError,
     StoreUnavailableError,
     _migrations,
-    _split_sql,
     _small_rows,
+    _split_sql,
     _sql,
     event_id_sql,
     normalise_batch,
@@ -66,8 +65,6 @@ APPEND_ATTEMPTS = 5
 # pg_advisory_xact_lock keys (two int4: "flyw", purpose): appends + rebuilds, and migrations.
 _APPEND_LOCK = (0x666C7977, 1)
 _MIGRATE_LOCK = (0x666C7977, 2)
-_NON_DEFAULT = " ".join(f"WHEN '{t}' THEN {s.schema_version}" for t, s in CATALOG.items() if s.schema_version != 1)
-_SCHEMA_VERSION_SQL = f"CASE r.type {_NON_DEFAULT} ELSE 1 END" if _NON_DEFAULT else "1"
 
 EVENTS_ARROW = pa.schema([
     ("seq", pa.int64()), ("event_id", pa.string()), ("stream", pa.string()), ("stream_version", pa.int64()),

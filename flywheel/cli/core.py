@@ -8,11 +8,11 @@ from pathlib import Path
 import typer
 
 from flywheel.cli.common import (
+    CliError,
     ConfigOpt,
     HomeOpt,
     JsonOpt,
     console,
-    CliError,
     emit_json,
     handle_errors,
     load,
