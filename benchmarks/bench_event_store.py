@@ -71,7 +71,7 @@ def _peak_rss_mib() -> float:
 def _fresh_location(backend: str, tag: str) -> str:
     """A fresh store: a DuckDB file in a temporary directory, or a new database on the benchmark's server."""
     if backend == "duckdb":
-        return str(Path(tempfile.mkdtemp(prefix=f"bench-{tag}-")) / "w.duckdb")
+        return str(Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=_TMP)) / "w.duckdb")
     return _PG.create_database(f"bench_{tag}_{os.getpid()}_{time.monotonic_ns() % 10**9}")
 
 
@@ -123,20 +123,21 @@ def naive(n: int) -> float:
 
     from flywheel.store import EventStore, compute_event_id
 
-    path = Path(tempfile.mkdtemp(prefix="bench-naive-")) / "w.duckdb"
-    EventStore(path).close()  # same schema, migrations applied
-    con = duckdb.connect(str(path))
-    t0 = time.perf_counter()
-    for i in range(n):
-        stream, payload = f"trace:{i:012x}", f'{{"model":"policy","n":{i}}}'
-        con.execute("BEGIN TRANSACTION")
-        con.execute(
-            "INSERT INTO events VALUES (?, ?, ?, 1, 'trace.ingested', ?, ['ingest:b0'], NULL, now(), 1)",
-            [i + 1, compute_event_id("trace.ingested", stream, payload), stream, payload],
-        )
-        con.execute("COMMIT")
-    con.close()
-    return time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="bench-naive-") as d:
+        path = Path(d) / "w.duckdb"
+        EventStore(path).close()  # same schema, migrations applied
+        con = duckdb.connect(str(path))
+        t0 = time.perf_counter()
+        for i in range(n):
+            stream, payload = f"trace:{i:012x}", f'{{"model":"policy","n":{i}}}'
+            con.execute("BEGIN TRANSACTION")
+            con.execute(
+                "INSERT INTO events VALUES (?, ?, ?, 1, 'trace.ingested', ?, ['ingest:b0'], NULL, now(), 1)",
+                [i + 1, compute_event_id("trace.ingested", stream, payload), stream, payload],
+            )
+            con.execute("COMMIT")
+        con.close()
+        return time.perf_counter() - t0
 
 
 def single_appends(location: str, n: int) -> list[float]:
@@ -283,6 +284,7 @@ def _p(xs: list[float], q: float) -> float:
 
 
 _PG = None  # flywheel.pglocal.LocalPostgres of this run
+_TMP = None  # this run's directory of DuckDB files (removed at the end)
 
 
 def run_backend(backend: str, args: argparse.Namespace, n: int, reps: int) -> dict:
@@ -345,7 +347,7 @@ def run_backend(backend: str, args: argparse.Namespace, n: int, reps: int) -> di
 
 
 def main() -> None:
-    global _PG
+    global _PG, _TMP
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="100,000 events instead of 1,000,000")
     ap.add_argument("--events", type=int, default=None)
@@ -371,6 +373,7 @@ def main() -> None:
     print(f"event store benchmark: {n:,} events, batches of {args.batch:,}, backends {backends} "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     results = {}
+    _TMP = tempfile.mkdtemp(prefix="bench-event-store-")
     if "postgresql" in backends:
         from flywheel.pglocal import LocalPostgres
 
@@ -383,6 +386,9 @@ def main() -> None:
     finally:
         if _PG is not None:
             _PG.stop()
+        import shutil
+
+        shutil.rmtree(_TMP, ignore_errors=True)
     if "duckdb" in results:
         naive_s = naive(n_naive)
         naive_rate = n_naive / naive_s
