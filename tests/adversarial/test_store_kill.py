@@ -114,16 +114,17 @@ def test_sigkill_during_postgres_appends_loses_no_acknowledged_batch(pg_url):
     acked_all: set[int] = set()
     for trial in range(10):
         proc = subprocess.Popen([sys.executable, "-c", PG_CHILD, pg_url, str(trial * 100_000)],
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert proc.stdout.readline().strip() == "ready"
-        lines = []
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines = [proc.stdout.readline()]
         for _ in range(1 + rng.randrange(3)):  # after 1-3 acknowledged batches ...
             lines.append(proc.stdout.readline())
         time.sleep(rng.uniform(0, 0.05))  # ... somewhere into the next one
         proc.send_signal(signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
+        assert lines[0].strip() == "ready", f"trial {trial}: the child failed to start: {err[-2000:]}"
         acked = {int(line.split()[1]) for line in lines + out.splitlines() if line.startswith("ack ")}
-        assert acked, "the child was killed before its first acknowledged batch"
+        assert acked, f"trial {trial}: the child died before its first acknowledged batch: {err[-2000:]}"
         acked_all |= acked
         with EventStore(pg_url) as store:
             events = store.read_arrow(stream="trace:*")
