@@ -1,24 +1,37 @@
-"""Event store benchmark: batched appends vs one INSERT per event, and the lineage query.
+"""Event store benchmark, both backends in the same run: batched appends (1 and 4 writers), one event
+appended alone, lineage, and (embedded) reads while a writer appends.
 
     .venv/bin/python benchmarks/bench_event_store.py            # 1,000,000 events
     .venv/bin/python benchmarks/bench_event_store.py --quick    # 100,000 events
+    .venv/bin/python benchmarks/bench_event_store.py --backends duckdb
 
-What it measures (each phase in a fresh warehouse under a temporary directory):
+PostgreSQL runs on a private server this script starts from the local binaries (flywheel/pglocal.py;
+fsync and synchronous_commit on, max_wal_size 8 GB, shared_buffers 512 MB). Each phase uses a fresh
+store (a DuckDB file in a temporary directory, or a new database).
 
-1. **Batched append**: ``EventStore.append_batch`` of N small ``trace.ingested`` events (one new
-   stream each, causation = their ingest batch) in batches of ``--batch`` rows; the clock covers every
-   append and the final close (DuckDB's checkpoint), not the generation of the Arrow batches. Runs in
-   a child process so that its peak RSS is its own.
-   Peer, same run: **naive** one transaction with one ``INSERT`` per event (event id hashed in
-   Python, the same ``events`` table, no projections), on ``--naive`` events. Also reported:
-   ``EventStore.append`` of one event per call (the API stages use for small appends).
-2. **Lineage**: a warehouse of N trace events with a realistic fan-in (3% of traces fail, 3 traces
-   per distinct failure, one eval per failure, train/held-out suites, environment versions, a synth
-   batch, rollouts, a training run, a model version). Median latency of ``store.lineage(model,
-   "down")`` (model -> every trace it learned from). Peer, same run: the same recursive walk over
-   ``events.causation`` directly (no ``lineage_edges`` projection).
+What it measures, per backend:
 
-Targets (issue 2): >= 200,000 events/s batched; lineage median <= 100 ms on 1M events.
+1. **Batched append**: ``append_batch`` of N small ``trace.ingested`` events (one new stream each,
+   causation = their ingest batch) in batches of ``--batch`` rows, by 1 writer process and by 4 at
+   once (N/4 each; on DuckDB the first owns the file and the others append through it). The clock is
+   each writer's appends plus its close (DuckDB's checkpoint), not the generation of the batches; the
+   rate uses the slowest writer's time.
+2. **One event appended alone** (``store.append``, what stages do between batches): per-call latency
+   on a fresh store and on the N-event lineage store.
+3. **Lineage**: a store of N trace events with a realistic fan-in (3% of traces fail, 3 traces per
+   distinct failure, one eval per failure, train/held-out suites, environment versions, a synth batch,
+   rollouts, a training run, a model version). Median and p99 of ``store.lineage(model, "down")``
+   (model -> every trace it learned from). Peer on DuckDB: the same recursive walk over
+   ``events.causation`` directly (no projection). Both backends must return the same ancestors.
+4. **Reads while writing** (embedded): a writer process owns the warehouse and appends; this process
+   opens the store and runs what ``flywheel status`` reads, again and again: latency median/p99, and
+   the writer's rate against the same writer alone (peer).
+Also, same run: a naive DuckDB peer (one transaction, one INSERT per event), and PostgreSQL / DuckDB
+ratios.
+
+Targets: DuckDB >= 200,000 events/s batched and lineage median <= 100 ms on 1M events; PostgreSQL
+one writer >= 50,000 events/s, 4 writers >= 1.5x one, lineage median <= 150 ms; one event appended
+alone <= 5 ms on both; embedded reads p99 < 2 s while a writer runs, the writer within 10% of alone.
 """
 
 from __future__ import annotations
@@ -55,25 +68,53 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def child_append(n: int, batch: int, out: Path) -> None:
+def _fresh_location(backend: str, tag: str) -> str:
+    """A fresh store: a DuckDB file in a temporary directory, or a new database on the benchmark's server."""
+    if backend == "duckdb":
+        return str(Path(tempfile.mkdtemp(prefix=f"{tag}-", dir=_TMP)) / "w.duckdb")
+    return _PG.create_database(f"bench_{tag}_{os.getpid()}_{time.monotonic_ns() % 10**9}")
+
+
+def child_append(location: str, n: int, batch: int, first: int, out: Path) -> None:
     from flywheel.store import EventStore
 
-    path = Path(tempfile.mkdtemp(prefix="bench-append-")) / "w.duckdb"
-    store = EventStore(path)
+    store = EventStore(location)
     elapsed = 0.0
-    for start in range(0, n, batch):
-        table = _trace_batch(start, min(batch, n - start), f"ingest:b{start // batch}")
+    for start in range(first, first + n, batch):
+        table = _trace_batch(start, min(batch, first + n - start), f"ingest:b{start // batch}")
         t0 = time.perf_counter()
         store.append_batch(table, validated=True)
         elapsed += time.perf_counter() - t0
     t0 = time.perf_counter()
     store.close()  # includes DuckDB's checkpoint of everything appended
     close_s = time.perf_counter() - t0
-    store = EventStore(path, read_only=True)
-    counts = store.projection_counts()
-    store.close()
-    out.write_text(json.dumps({"append_s": elapsed, "close_s": close_s, "peak_rss_mib": _peak_rss_mib(),
-                               "counts": counts, "db_mib": path.stat().st_size / 2**20}))
+    out.write_text(json.dumps({"append_s": elapsed, "close_s": close_s, "peak_rss_mib": _peak_rss_mib()}))
+
+
+def batched(location: str, n: int, batch: int, writers: int) -> dict:
+    """``writers`` processes append n/writers events each, all at once; the clock is the wall time from
+    the first start to the last exit minus interpreter start-up (each child's own append+close time
+    is reported too)."""
+    from flywheel.store import EventStore
+
+    EventStore(location).close()  # schema in place before the clock starts
+    per = n // writers
+    with tempfile.TemporaryDirectory() as d:
+        outs = [Path(d) / f"w{i}.json" for i in range(writers)]
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, __file__, "--child", str(o), "--location", location,
+                                   "--events", str(per), "--batch", str(batch), "--first", str(i * per)])
+                 for i, o in enumerate(outs)]
+        for p in procs:
+            assert p.wait() == 0
+        wall = time.perf_counter() - t0
+        res = [json.loads(o.read_text()) for o in outs]
+    busy = max(r["append_s"] + r["close_s"] for r in res)
+    with EventStore(location) as store:
+        counts = store.projection_counts()
+        assert counts["events"] == per * writers and store.check_integrity() == [], (counts, store.check_integrity())
+    return {"rate": per * writers / busy, "wall_s": wall, "busy_s": busy, "peak_rss_mib": max(r["peak_rss_mib"] for r in res),
+            "counts": counts}
 
 
 def naive(n: int) -> float:
@@ -82,38 +123,98 @@ def naive(n: int) -> float:
 
     from flywheel.store import EventStore, compute_event_id
 
-    path = Path(tempfile.mkdtemp(prefix="bench-naive-")) / "w.duckdb"
-    EventStore(path).close()  # same schema, migrations applied
-    con = duckdb.connect(str(path))
-    t0 = time.perf_counter()
-    for i in range(n):
-        stream, payload = f"trace:{i:012x}", f'{{"model":"policy","n":{i}}}'
-        con.execute("BEGIN TRANSACTION")
-        con.execute(
-            "INSERT INTO events VALUES (?, ?, ?, 1, 'trace.ingested', ?, ['ingest:b0'], NULL, now(), 1)",
-            [i + 1, compute_event_id("trace.ingested", stream, payload), stream, payload],
-        )
-        con.execute("COMMIT")
-    con.close()
-    return time.perf_counter() - t0
-
-
-def single_appends(n: int) -> float:
-    from flywheel.store import EventStore, NewEvent
-
-    path = Path(tempfile.mkdtemp(prefix="bench-single-")) / "w.duckdb"
-    with EventStore(path) as store:
+    with tempfile.TemporaryDirectory(prefix="bench-naive-") as d:
+        path = Path(d) / "w.duckdb"
+        EventStore(path).close()  # same schema, migrations applied
+        con = duckdb.connect(str(path))
         t0 = time.perf_counter()
         for i in range(n):
-            store.append(f"failure:{i:08x}", NewEvent("failure.classified", {"kind": "tool_call", "i": i},
-                                                      [f"trace:{i:012x}"]))
+            stream, payload = f"trace:{i:012x}", f'{{"model":"policy","n":{i}}}'
+            con.execute("BEGIN TRANSACTION")
+            con.execute(
+                "INSERT INTO events VALUES (?, ?, ?, 1, 'trace.ingested', ?, ['ingest:b0'], NULL, now(), 1)",
+                [i + 1, compute_event_id("trace.ingested", stream, payload), stream, payload],
+            )
+            con.execute("COMMIT")
+        con.close()
         return time.perf_counter() - t0
 
 
-def build_lineage_warehouse(n_traces: int, batch: int) -> tuple[Path, str, str, dict[str, int]]:
+def single_appends(location: str, n: int) -> list[float]:
+    """Milliseconds per ``store.append`` of one event (with projections), n calls."""
     from flywheel.store import EventStore, NewEvent
 
-    path = Path(tempfile.mkdtemp(prefix="bench-lineage-")) / "w.duckdb"
+    times = []
+    with EventStore(location) as store:
+        base = store.last_seq()
+        for i in range(n):
+            t0 = time.perf_counter()
+            store.append(f"failure:{base:x}-{i:08x}", NewEvent("failure.classified", {"kind": "tool_call", "i": i},
+                                                               [f"trace:{i:012x}"]))
+            times.append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+READER_WRITER = """
+import sys, time, json
+sys.path.insert(0, %r)
+from bench_event_store import _trace_batch
+from flywheel.store import EventStore
+store = EventStore(sys.argv[1])
+print("ready", flush=True)
+batch, n, t = int(sys.argv[2]), int(sys.argv[3]), 0.0
+for start in range(0, n, batch):
+    t0 = time.perf_counter()
+    store.append_batch(_trace_batch(10**9 + start, batch, "ingest:w"), validated=True)
+    t += time.perf_counter() - t0
+print(json.dumps({"rate": n / t}), flush=True)
+store.close()
+"""
+
+
+def reads_while_writing(location: str, batch: int, n: int, reads: int) -> dict:
+    """Embedded: a writer process owns the warehouse and appends n events; meanwhile this process runs
+    what `flywheel status` reads (counts by kind, the last events, the last seq) ``reads`` times, each
+    time opening the store as a new process would. Returns read latencies and the writer's rate, and
+    the same writer's rate alone (the peer)."""
+    from flywheel.store import EventStore
+
+    def writer() -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", READER_WRITER % str(Path(__file__).parent), location, str(batch),
+                              str(n)], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        return p
+
+    alone = writer()
+    rate_alone = json.loads(alone.stdout.readline())["rate"]
+    alone.wait()
+    w = writer()
+    lat = []
+    while len(lat) < reads:
+        t0 = time.perf_counter()
+        with EventStore(location) as s:
+            s.counts_by_kind()
+            s.read(limit=10, newest_first=True)
+            s.last_seq()
+        lat.append((time.perf_counter() - t0) * 1000)
+        if w.poll() is not None:
+            break
+    rate_busy = json.loads(w.stdout.readline())["rate"]
+    w.wait()
+    quiet = []  # peer: the same reads on the same store with no writer (their own cost)
+    for _ in range(len(lat)):
+        t0 = time.perf_counter()
+        with EventStore(location) as s:
+            s.counts_by_kind()
+            s.read(limit=10, newest_first=True)
+            s.last_seq()
+        quiet.append((time.perf_counter() - t0) * 1000)
+    return {"latencies_ms": lat, "quiet_ms": quiet, "rate_alone": rate_alone, "rate_with_reads": rate_busy}
+
+
+def build_lineage_warehouse(path: str, n_traces: int, batch: int) -> tuple[str, str, str, dict[str, int]]:
+    from flywheel.store import EventStore, NewEvent
+
     store = EventStore(path)
     n_batches = 0
     for start in range(0, n_traces, batch):
@@ -167,75 +268,150 @@ SELECT entity_id, min(depth) FROM walk WHERE entity_id <> $1 GROUP BY entity_id 
 """
 
 
-def _median_ms(fn, reps: int) -> float:
+def _times_ms(fn, reps: int) -> list[float]:
     fn()  # warm
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+    return times
+
+
+def _p(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+_PG = None  # flywheel.pglocal.LocalPostgres of this run
+_TMP = None  # this run's directory of DuckDB files (removed at the end)
+
+
+def run_backend(backend: str, args: argparse.Namespace, n: int, reps: int) -> dict:
+    from flywheel.store import EventStore
+
+    r: dict = {}
+    r["single_writer"] = batched(_fresh_location(backend, "w1"), n, args.batch, 1)
+    print(f"  [{backend}] batched, 1 writer : {r['single_writer']['rate']:>10,.0f} events/s  "
+          f"(busy {r['single_writer']['busy_s']:.2f} s incl. close; peak RSS {r['single_writer']['peak_rss_mib']:.0f} MiB)")
+    r["four_writers"] = batched(_fresh_location(backend, "w4"), n, args.batch, 4)
+    print(f"  [{backend}] batched, 4 writers: {r['four_writers']['rate']:>10,.0f} events/s  "
+          f"(x{r['four_writers']['rate'] / r['single_writer']['rate']:.2f} one writer; slowest writer busy "
+          f"{r['four_writers']['busy_s']:.2f} s)")
+    single = single_appends(_fresh_location(backend, "single"), args.single)
+    r["single_append_ms"] = single
+    print(f"  [{backend}] store.append x1   : median {statistics.median(single):6.2f} ms, p99 {_p(single, .99):6.2f} ms "
+          f"({args.single} calls on a fresh store)")
+    t0 = time.perf_counter()
+    path, model, trace, counts = build_lineage_warehouse(_fresh_location(backend, "lineage"), n, args.batch)
+    build_s = time.perf_counter() - t0
+    big = single_appends(path, max(20, args.single // 10))
+    r["single_append_big_ms"] = big
+    print(f"  [{backend}] store.append x1   : median {statistics.median(big):6.2f} ms, p99 {_p(big, .99):6.2f} ms "
+          f"(on the {counts['events']:,}-event lineage store)")
+    with EventStore(path) as store:
+        nodes = store.lineage(model, "down")
+        up = store.lineage(trace, "up")
+        down_ms = _times_ms(lambda: store.lineage(model, "down"), reps)
+        up_ms = _times_ms(lambda: store.lineage(trace, "up"), reps)
+        peer = None
+        if backend == "duckdb":
+            con = store.con
+            peer_rows = con.execute(_PEER_SQL, [model]).fetchall()
+            assert sorted(map(tuple, peer_rows)) == sorted(nodes), "peer and projection disagree"
+            peer = statistics.median(_times_ms(lambda: con.execute(_PEER_SQL, [model]).fetchall(), max(3, reps // 4)))
+    kinds: dict[str, int] = {}
+    for e, _ in nodes:
+        kinds[e.split(":", 1)[0]] = kinds.get(e.split(":", 1)[0], 0) + 1
+    r.update(lineage_nodes=sorted(nodes), lineage_down_ms=down_ms, lineage_up_ms=up_ms)
+    print(f"  [{backend}] lineage store     : {counts['events']:,} events, {counts['lineage_edges']:,} edges (built in {build_s:.1f} s)")
+    print(f"  [{backend}] lineage down      : median {statistics.median(down_ms):7.1f} ms, p99 {_p(down_ms, .99):7.1f} ms "
+          f"-> {len(nodes):,} ancestors {kinds}")
+    print(f"  [{backend}] lineage up        : median {statistics.median(up_ms):7.1f} ms, p99 {_p(up_ms, .99):7.1f} ms "
+          f"-> {len(up)} descendants")
+    if peer is not None:
+        print(f"  [{backend}] peer: walk over events.causation: median {peer:.1f} ms; ratio peer / projection "
+              f"{peer / statistics.median(down_ms):.1f}x")
+    if backend == "duckdb":
+        rw = reads_while_writing(_fresh_location(backend, "rw"), args.batch // 10, n // 2, args.reads)
+        lat = rw["latencies_ms"]
+        r["reads_while_writing"] = rw
+        quiet = rw["quiet_ms"]
+        print(f"  [{backend}] reads while a writer appends ({len(lat)} opens + status reads from another process): "
+              f"median {statistics.median(lat):.0f} ms, p99 {_p(lat, .99):.0f} ms, max {max(lat):.0f} ms "
+              f"(target p99 < 2000 ms); peer, the same reads with no writer: median {statistics.median(quiet):.0f} ms, "
+              f"p99 {_p(quiet, .99):.0f} ms")
+        print(f"  [{backend}] the writer meanwhile: {rw['rate_with_reads']:,.0f} events/s vs {rw['rate_alone']:,.0f} alone "
+              f"(x{rw['rate_with_reads'] / rw['rate_alone']:.2f}; target >= 0.90)")
+    return r
 
 
 def main() -> None:
+    global _PG, _TMP
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="100,000 events instead of 1,000,000")
     ap.add_argument("--events", type=int, default=None)
     ap.add_argument("--batch", type=int, default=100_000, help="rows per append_batch call")
     ap.add_argument("--naive", type=int, default=None, help="events in the naive baseline (default 20,000; quick 1,000)")
     ap.add_argument("--reps", type=int, default=None, help="lineage query repetitions")
+    ap.add_argument("--single", type=int, default=None, help="single-event appends (default 2,000; quick 300)")
+    ap.add_argument("--reads", type=int, default=None, help="reads while writing (default 200; quick 50)")
+    ap.add_argument("--backends", default="duckdb,postgresql")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--location", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     n = args.events or (100_000 if args.quick else 1_000_000)
     if args.child:
-        child_append(n, args.batch, Path(args.child))
+        child_append(args.location, n, args.batch, args.first, Path(args.child))
         return
     n_naive = args.naive or (1_000 if args.quick else 20_000)
     reps = args.reps or (10 if args.quick else 21)
-    print(f"event store benchmark: {n:,} events, batches of {args.batch:,}, naive peer on {n_naive:,} "
+    args.single = args.single or (300 if args.quick else 2000)
+    args.reads = args.reads or (50 if args.quick else 200)
+    backends = args.backends.split(",")
+    print(f"event store benchmark: {n:,} events, batches of {args.batch:,}, backends {backends} "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    results = {}
+    _TMP = tempfile.mkdtemp(prefix="bench-event-store-")
+    if "postgresql" in backends:
+        from flywheel.pglocal import LocalPostgres
 
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "append.json"
-        subprocess.run([sys.executable, __file__, "--child", str(out), "--events", str(n), "--batch", str(args.batch)],
-                       check=True)
-        res = json.loads(out.read_text())
-    total = res["append_s"] + res["close_s"]
-    batched_rate = n / total
-    print(f"  batched append_batch : {batched_rate:>10,.0f} events/s  ({res['append_s']:.2f} s appends + "
-          f"{res['close_s']:.2f} s close/checkpoint; peak RSS {res['peak_rss_mib']:.0f} MiB; "
-          f"warehouse {res['db_mib']:.0f} MiB; rows {res['counts']})")
-    naive_s = naive(n_naive)
-    naive_rate = n_naive / naive_s
-    print(f"  naive 1 INSERT/event : {naive_rate:>10,.0f} events/s  ({n_naive:,} events in {naive_s:.2f} s)")
-    n_single = 500 if args.quick else 2000
-    single_s = single_appends(n_single)
-    print(f"  store.append x1      : {n_single / single_s:>10,.0f} events/s  ({single_s / n_single * 1000:.2f} ms per "
-          f"call incl. projections, {n_single:,} calls)")
-    print(f"  ratio batched / naive: {batched_rate / naive_rate:.1f}x   (target >= 200,000 events/s: "
-          f"{'met' if batched_rate >= 200_000 else 'NOT met'})")
+        # A bulk load writes GBs of WAL: with the default max_wal_size (1 GB) the server checkpoints
+        # every few batches. fsync and synchronous_commit stay on (durable commits).
+        _PG = LocalPostgres.start(settings={"max_wal_size": "'8GB'", "shared_buffers": "'512MB'"})
+    try:
+        for b in backends:
+            results[b] = run_backend(b, args, n, reps)
+    finally:
+        if _PG is not None:
+            _PG.stop()
+        import shutil
 
-    from flywheel.store import EventStore
-
-    t0 = time.perf_counter()
-    path, model, trace, counts = build_lineage_warehouse(n, args.batch)
-    build_s = time.perf_counter() - t0
-    with EventStore(path, read_only=True) as store:
-        nodes = store.lineage(model, "down")
-        up = store.lineage(trace, "up")
-        ms = _median_ms(lambda: store.lineage(model, "down"), reps)
-        up_ms = _median_ms(lambda: store.lineage(trace, "up"), reps)
-        peer_rows = store.con.execute(_PEER_SQL, [model]).fetchall()
-        peer_ms = _median_ms(lambda: store.con.execute(_PEER_SQL, [model]).fetchall(), max(3, reps // 4))
-    assert sorted(map(tuple, peer_rows)) == sorted(nodes), "peer and projection disagree"
-    kinds = {}
-    for e, _ in nodes:
-        kinds[e.split(":", 1)[0]] = kinds.get(e.split(":", 1)[0], 0) + 1
-    print(f"  lineage warehouse    : {counts['events']:,} events, {counts['lineage_edges']:,} edges (built in {build_s:.1f} s)")
-    print(f"  lineage down (model) : median {ms:7.1f} ms  -> {len(nodes):,} ancestors {kinds}  "
-          f"(target <= 100 ms: {'met' if ms <= 100 else 'NOT met'})")
-    print(f"  lineage up (trace)   : median {up_ms:7.1f} ms  -> {len(up)} descendants")
-    print(f"  peer: walk over events.causation: median {peer_ms:.1f} ms; ratio peer / projection: {peer_ms / ms:.1f}x")
+        shutil.rmtree(_TMP, ignore_errors=True)
+    if "duckdb" in results:
+        naive_s = naive(n_naive)
+        naive_rate = n_naive / naive_s
+        d = results["duckdb"]
+        print(f"  peer: naive 1 INSERT/event (DuckDB): {naive_rate:,.0f} events/s ({n_naive:,} events); batched / naive "
+              f"{d['single_writer']['rate'] / naive_rate:.1f}x")
+    if len(results) == 2:
+        d, p = results["duckdb"], results["postgresql"]
+        assert d["lineage_nodes"] == p["lineage_nodes"], "the backends disagree on the lineage"
+        print("  same run, PostgreSQL / DuckDB: "
+              f"1 writer x{p['single_writer']['rate'] / d['single_writer']['rate']:.2f}, "
+              f"4 writers x{p['four_writers']['rate'] / d['four_writers']['rate']:.2f}, "
+              f"append x1 x{statistics.median(p['single_append_ms']) / statistics.median(d['single_append_ms']):.2f}, "
+              f"lineage down x{statistics.median(p['lineage_down_ms']) / statistics.median(d['lineage_down_ms']):.2f}")
+        print("  targets: PostgreSQL 1 writer >= 50,000/s: "
+              f"{'met' if p['single_writer']['rate'] >= 50_000 else 'NOT met'}; 4 writers >= 1.5x one: "
+              f"{'met' if p['four_writers']['rate'] >= 1.5 * p['single_writer']['rate'] else 'NOT met'}; "
+              f"lineage median <= 150 ms: {'met' if statistics.median(p['lineage_down_ms']) <= 150 else 'NOT met'}; "
+              f"append x1 <= 5 ms: DuckDB {'met' if statistics.median(d['single_append_ms']) <= 5 else 'NOT met'}, "
+              f"PostgreSQL {'met' if statistics.median(p['single_append_ms']) <= 5 else 'NOT met'}; "
+              f"DuckDB 1 writer >= 200,000/s: {'met' if d['single_writer']['rate'] >= 200_000 else 'NOT met'}, "
+              f"lineage <= 100 ms: {'met' if statistics.median(d['lineage_down_ms']) <= 100 else 'NOT met'}")
+    print(f"  (load average at the end {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -294,6 +294,28 @@ class ServeConfig(_Section):
     poll_alias_s: float = Field(5.0, gt=0, description="How often serve checks the champion alias.")
 
 
+class StoreConfig(_Section):
+    """Where the event store lives: the embedded DuckDB file (``warehouse``) or a PostgreSQL server."""
+
+    url: str | None = Field(
+        None,
+        description="PostgreSQL URL (postgresql://user@host:5432/db) of a shared event store for a team; unset: the "
+        "embedded DuckDB file `warehouse`. Keep the password out of the URL: libpq reads PGPASSWORD or ~/.pgpass.",
+    )
+    open_timeout_s: float = Field(
+        60.0, gt=0,
+        description="Embedded store: how long opening waits for a warehouse file held by a process that does not "
+        "share it (or for its owner to start serving) before a clear error naming that process.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _postgres_url(cls, v: str | None) -> str | None:
+        if v and not v.startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL (the embedded store is configured by `warehouse`)")
+        return v or None
+
+
 class CycleConfig(_Section):
     model_name: str = Field("policy", description="Registered model name in MLflow.")
     train_env: str = Field("train", description="Name of the training environment.")
@@ -310,6 +332,7 @@ class FlywheelConfig(_Section):
         None, description="MLflow tracking URI; default sqlite:///<home>/mlflow.db."
     )
     mlflow_artifact_root: Path | None = Field(None, description="Default <home>/mlartifacts.")
+    store: StoreConfig = Field(default_factory=StoreConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     evals: EvalsConfig = Field(default_factory=EvalsConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)

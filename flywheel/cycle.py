@@ -30,9 +30,9 @@ def is_infra_error(exc: BaseException | None) -> bool:
     """Retry only what infrastructure causes; never a refused gate, invalid data or a bug."""
     if exc is None:
         return False
-    from flywheel.store import StoreLockedError
+    from flywheel.store import StoreUnavailableError
 
-    if isinstance(exc, InfraError | StoreLockedError | ConnectionError | TimeoutError):
+    if isinstance(exc, InfraError | StoreUnavailableError | ConnectionError | TimeoutError):
         return True
     try:
         from flywheel.policy.base import PolicyRequestError
@@ -60,19 +60,13 @@ def inputs_key(stage: str, **inputs: Any) -> str:
 
 def latest_version(store: Any, kind: str, name: str) -> str | None:
     """Entity id of the latest ``suite:<name>@N`` / ``env:<name>@N``, or None."""
-    rows = store.con.execute(
-        "SELECT entity_id FROM entities WHERE kind = ? AND starts_with(entity_id, ?) ORDER BY last_seq DESC LIMIT 1",
-        [kind, f"{kind}:{name}@"],
-    ).fetchall()
-    return rows[0][0] if rows else None
+    return store.latest_entity_id(f"{kind}:{name}@")
 
 
 def failure_watermark(store: Any) -> dict[str, int]:
     """What the evals stage reads: the count and last seq of failure and trace events."""
-    rows = store.con.execute(
-        "SELECT count(*), coalesce(max(seq), 0) FROM events WHERE type IN ('failure.classified', 'trace.ingested')"
-    ).fetchall()
-    return {"events": rows[0][0], "last_seq": rows[0][1]}
+    n, last = store.event_stats(["failure.classified", "trace.ingested"])
+    return {"events": n, "last_seq": last}
 
 
 def last_completed_cycle(store: Any) -> dict[str, Any] | None:
@@ -87,9 +81,7 @@ def new_failures_since_last_cycle(store: Any) -> tuple[int, int | None]:
     """(number of ``failure.classified`` events after the last completed cycle, that cycle's seq)."""
     last = last_completed_cycle(store)
     after = last["seq"] if last else 0
-    n = store.con.execute(
-        "SELECT count(*) FROM events WHERE type = 'failure.classified' AND seq > ?", [after]
-    ).fetchall()[0][0]
+    n, _ = store.event_stats(["failure.classified"], after_seq=after)
     return n, (last["seq"] if last else None)
 
 
@@ -130,8 +122,9 @@ def demonstrations_from_tasks(train_tasks: list[dict], regression_tasks: list[di
 
 @dataclass
 class CycleResources:
-    """What one cycle's stages share: one writer connection to the warehouse (DuckDB allows one
-    read-write process), the artifact store and the MLflow tracker."""
+    """What one cycle's stages share: one connection to the event store (on the embedded backend this
+    process then owns the file and serves the other flywheel processes), the artifact store and the
+    MLflow tracker."""
 
     cfg: Any
     store: Any

@@ -723,17 +723,7 @@ class EvalsSummary:
 
 def _successful_traces(store: EventStore) -> list[tuple[str, dict]]:
     """Successful ``trace:`` entities, filtered in SQL so failures' payloads are never parsed."""
-    rows = store.con.execute(
-        """
-        SELECT entity_id, state FROM entities
-        WHERE kind = 'trace' AND last_type = 'trace.ingested' AND coalesce(
-            json_extract_string(state, '$.status'),
-            json_extract_string(state, '$.outcome.status'),
-            json_extract_string(state, '$.trace.outcome.status')) = 'success'
-        ORDER BY first_seq
-        """
-    ).fetchall()
-    return [(r[0], json.loads(r[1])) for r in rows]
+    return store.trace_states("success")
 
 
 def _full_traces(artifacts: Any, states: list[dict]) -> list[dict]:

@@ -186,15 +186,7 @@ def _cycle_event(store: Any, cycle: str | None) -> tuple[str, dict[str, Any], An
 
 
 def failure_kinds_over_time(store: Any) -> tuple[list[str], dict[str, list[float]]]:
-    rows = store.con.execute(
-        """
-        SELECT substr(json_extract_string(payload, '$.timestamp'), 1, 10) AS day, kind, count(*) AS n
-        FROM (
-            SELECT payload, unnest(CAST(json_extract(payload, '$.kinds') AS VARCHAR[])) AS kind
-            FROM events WHERE type = 'trace.ingested' AND json_extract_string(payload, '$.status') = 'failure'
-        ) GROUP BY ALL ORDER BY day
-        """
-    ).fetchall()
+    rows = store.failure_kinds_by_day()
     days = sorted({r[0] for r in rows if r[0]})
     kinds = sorted({r[1] for r in rows})
     series = {k: [0.0] * len(days) for k in kinds}

@@ -881,21 +881,22 @@ def adapter_dirs(cfg: FlywheelConfig) -> tuple[Path, ...]:
 
 
 def store_recorder(cfg: FlywheelConfig, *, wait_s: float = 30.0) -> Recorder:
-    """A :data:`Recorder` that opens the event store for each append and closes it again (the cycle
-    and the CLI need the DuckDB file too). A store locked by another process is retried for
-    ``wait_s``; then the error propagates (the server answers 503 and changes nothing)."""
+    """A :data:`Recorder` that opens the event store for each append and closes it again (so a
+    long-running server is not the embedded warehouse's owner for days; while a cycle owns it, the
+    append goes through the cycle's process). A warehouse held by a process that does not share it is
+    waited for ``wait_s``; then the error propagates (the server answers 503 and changes nothing)."""
 
     def record(type_: str, stream: str, payload: dict[str, Any]) -> None:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                with open_store(cfg) as store:
+                with open_store(cfg, open_timeout_s=wait_s) as store:
                     store.append(stream, NewEvent(type_, payload))
                 return
             except StoreLockedError:
                 if time.monotonic() >= deadline:
                     raise
-                time.sleep(0.25)  # DuckDB has no wait-for-lock: poll the holder
+                time.sleep(0.25)
 
     return record
 

@@ -72,3 +72,38 @@ def store(cfg):
     s = open_store(cfg)
     yield s
     s.close()
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """One private PostgreSQL server per test session (initdb + pg_ctl on 127.0.0.1, flywheel.pglocal)."""
+    from flywheel.pglocal import LocalPostgres, find_bin_dir
+
+    if find_bin_dir() is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, pg_ctl) on PATH or in /usr/lib/postgresql/*/bin: "
+                    "install Debian's postgresql package (.ci/run does)")
+    pg = LocalPostgres.start()
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture
+def pg_url(pg_server):
+    """A fresh, empty database on the session's server; dropped after the test."""
+    import uuid
+
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    url = pg_server.create_database(name)
+    yield url
+    with psycopg.connect(pg_server.url_for("postgres"), autocommit=True) as con:
+        con.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["duckdb", "postgresql"])
+def store_location(request, cfg):
+    """Where a store test's store lives: the embedded file, then a PostgreSQL database (same test)."""
+    if request.param == "duckdb":
+        return cfg.warehouse
+    return request.getfixturevalue("pg_url")

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from flywheel.cli.common import (
+    CliError,
     ConfigOpt,
     HomeOpt,
     JsonOpt,
@@ -32,7 +33,9 @@ def _warn_sandbox(report: dict) -> None:
         console.print(f"[bold red]WARNING (sandbox):[/] {report['warning']}")
 
 
-warehouse_app = typer.Typer(help="The DuckDB warehouse: rebuild projections, export Parquet, recover.", no_args_is_help=True)
+warehouse_app = typer.Typer(
+    help="The event store (embedded DuckDB file or PostgreSQL): rebuild projections, export Parquet, recover, "
+    "migrate to a server.", no_args_is_help=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -55,11 +58,12 @@ def init(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) 
     cfg = load(home, config)
     with open_store(cfg) as s:
         counts = s.projection_counts()
+        where = s.location
     arts = open_artifacts(cfg)
     arts.objects.mkdir(parents=True, exist_ok=True, mode=0o700)
     info = {
         "home": str(cfg.home),
-        "warehouse": str(cfg.warehouse),
+        "warehouse": where,
         "artifacts": str(cfg.artifacts_dir),
         "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
         "events": counts["events"],
@@ -84,9 +88,10 @@ def status(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt
         counts = s.counts_by_kind()
         recent = s.read(limit=last, newest_first=True)
         n_events = s.last_seq()
+        where = s.location
     data = {
         "home": str(cfg.home),
-        "warehouse": str(cfg.warehouse),
+        "warehouse": where,
         "artifacts": str(cfg.artifacts_dir),
         "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
         "events": n_events,
@@ -175,6 +180,9 @@ def warehouse_recover(home: str = HomeOpt, config: str = ConfigOpt, as_json: boo
     from flywheel.store import EventStore
 
     cfg = load(home, config)
+    if cfg.store.url:
+        raise CliError("`warehouse recover` is for the embedded DuckDB file; store.url points at PostgreSQL, "
+                       "which recovers by itself")
     cfg.ensure_home()
     with EventStore(cfg.warehouse, recover_wal=True) as s:
         aside = s.recovered_wal
@@ -187,6 +195,44 @@ def warehouse_recover(home: str = HomeOpt, config: str = ConfigOpt, as_json: boo
                       f"{n} events remain. Re-run the stages whose events are missing.")
     else:
         out.print(f"warehouse opened cleanly ({n} events); nothing to recover")
+
+
+@warehouse_app.command("migrate")
+@handle_errors
+def warehouse_migrate(
+    to: str = typer.Option(..., "--to", help="postgresql:// URL of the target database (password: PGPASSWORD or ~/.pgpass)."),
+    chunk: int = typer.Option(100_000, min=1, help="Events per copy and per verification step."),
+    home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt,
+) -> None:
+    """Copy the embedded warehouse to a PostgreSQL server, verified event by event (resumable)."""
+    from flywheel.cli.common import progress
+    from flywheel.store import EventStore, is_postgres_url, redact_url
+    from flywheel.store_postgres import migrate_events
+
+    if not is_postgres_url(to):
+        raise CliError(f"--to must be a postgresql:// URL, got {redact_url(to)!r}")
+    cfg = load(home, config)
+    if not cfg.warehouse.exists():
+        raise CliError(f"no embedded warehouse at {cfg.warehouse} to migrate")
+    with EventStore(cfg.warehouse, open_timeout_s=cfg.store.open_timeout_s) as src, EventStore(to) as dst, \
+            progress(enabled=not as_json) as bar:
+        task = bar.add_task("migrate", total=None, rate="")
+
+        def step(done: int, total: int, phase: str) -> None:
+            bar.update(task, description=phase, completed=done, total=total)
+
+        summary = migrate_events(src, dst, chunk=chunk, progress=step)
+    data = {"source": str(cfg.warehouse), "target": redact_url(to), **summary,
+            "next": f"set store.url (or FLYWHEEL_STORE__URL) to {redact_url(to)} to use it"}
+    if as_json:
+        emit_json(data)
+        return
+    print_table("warehouse migrated", ["what", "value"],
+                [("source", data["source"]), ("target", data["target"]), ("events", summary["events"]),
+                 ("copied now", summary["copied"]), ("already there", summary["already_there"]),
+                 ("verified event by event", summary["verified"]),
+                 *[(f"projection {k}", v) for k, v in summary["projections"].items()]])
+    out.print(data["next"])
 
 
 @handle_errors
@@ -206,8 +252,6 @@ def lineage(
     cfg = load(home, config)
     with open_store(cfg) as s:
         if s.entity(entity) is None:
-            from flywheel.cli.common import CliError
-
             raise CliError(f"unknown entity {entity!r} (see `flywheel status` for what exists)")
         rows = s.lineage(entity, direction, depth)
     if as_json:

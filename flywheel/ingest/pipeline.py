@@ -49,6 +49,7 @@ Not guaranteed
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import queue
@@ -57,7 +58,6 @@ import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,10 +72,12 @@ from flywheel.ingest import formats, otlp
 from flywheel.ingest.prepare import PREPARED_SCHEMA, Batch, Preparer
 from flywheel.ingest.reader import Line, iter_lines, open_binary, open_source, position
 from flywheel.ingest.worker import ParallelBatches
-from flywheel.store import BATCH_SCHEMA, canonical_json
+from flywheel.store import BATCH_SCHEMA, ConcurrencyError, canonical_json
 from flywheel.tool_registry import ToolRegistryError, load_registry
 
 MAX_TRACE_IDS = 100
+# Tries of one batch's commit when other writers keep appending to its streams meanwhile.
+COMMIT_ATTEMPTS = 5
 # Failure states kept in memory between batches (a few KB each: ~50-100 MB at the bound).
 FAILURE_STATE_CACHE = 20_000
 # Files at least this large are prepared in a worker process (flywheel.ingest.worker) instead of a
@@ -225,21 +227,14 @@ class _Committer:
         self.cfg, self.store, self.artifacts, self.summary = cfg, store, artifacts, summary
         self.correlation_id = correlation_id
         self._suite = None
-        # Failure states this committer wrote, so the next batch need not read and parse them back
-        # (~60 µs per state; 0.75 s per 300k traces in the benchmark). Valid because this process is
-        # the store's only writer and an entry is kept only when its event was appended (a batch with
-        # any already-recorded row clears the cache). Bounded: least recently used states go first.
-        self._failure_states: OrderedDict[str, dict[str, Any]] = OrderedDict()
-
-    def _existing(self, table: str, key: str, values: list[str], cols: str) -> list[tuple]:
-        if not values:
-            return []
-        con = self.store.con
-        con.register("_fw_cand", pa.table({"k": values}))
-        try:
-            return con.execute(f"SELECT {cols} FROM {table} WHERE {key} IN (SELECT k FROM _fw_cand)").fetchall()
-        finally:
-            con.unregister("_fw_cand")
+        # Failure states this committer wrote, with their stream versions, so the next batch need not
+        # read and parse them back (~60 µs per state; 0.75 s per 300k traces in the benchmark). Other
+        # writers may append meanwhile (an ingest beside this one, a team on PostgreSQL): every append
+        # names the versions it builds on (expected_versions), and a ConcurrencyError clears the cache
+        # and commits the batch again from fresh reads. An entry is kept only when its event was
+        # appended (a batch with any already-recorded row clears the cache). Bounded: least recently
+        # used states go first.
+        self._failure_states: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
 
     def gx(self, b: Batch, kept: pa.Table) -> None:
         from flywheel.schemas.gx_suites import validate_traces_batch
@@ -258,8 +253,23 @@ class _Committer:
 
     def commit(self, b: Batch, ingest_id: str, file_sha: str, *, causation: list[str],
                quarantine_stream: str | None, quarantine_payload_extra: dict[str, Any] | None = None) -> None:
-        """Dedup against the store, GX, artifacts, then one ``append_batch``. Column-wise: the only
-        per-row Python loop left here is over the batch's failures."""
+        """Dedup against the store, GX, artifacts, then one ``append_batch``; committed again from fresh
+        reads when another writer appended to one of the batch's streams in between."""
+        for attempt in range(COMMIT_ATTEMPTS):
+            saved = copy.deepcopy(self.summary)
+            try:
+                return self._commit(b, ingest_id, file_sha, causation=causation, quarantine_stream=quarantine_stream,
+                                    quarantine_payload_extra=quarantine_payload_extra)
+            except ConcurrencyError:
+                self.summary.__dict__.update(saved.__dict__)
+                self._failure_states.clear()
+                if attempt == COMMIT_ATTEMPTS - 1:
+                    raise
+
+    def _commit(self, b: Batch, ingest_id: str, file_sha: str, *, causation: list[str],
+                quarantine_stream: str | None, quarantine_payload_extra: dict[str, Any] | None = None) -> None:
+        """One try of :meth:`commit`. Column-wise: the only per-row Python loop left here is over the
+        batch's failures."""
         s = self.summary
         s.read += b.read
         s.duplicates += b.in_batch_duplicates
@@ -268,7 +278,7 @@ class _Committer:
         tbl = b.table
         streams = pc.binary_join_element_wise("trace:", tbl.column("trace_id"), "")
         # Straight from events: the ``streams`` view aggregates every stream before it could filter.
-        existing = [r[0] for r in self._existing("events", "stream", streams, "DISTINCT stream")]
+        existing = self.store.existing_streams(streams)
         if existing:
             mask = pc.invert(pc.is_in(streams, value_set=pa.array(existing, pa.string())))
             kept, streams = tbl.filter(mask), streams.filter(mask)
@@ -320,15 +330,17 @@ class _Committer:
         cache = self._failure_states
         states = {fid: cache[fid] for fid in groups if fid in cache}
         missing = [fid for fid in groups if fid not in cache]
-        states.update((r[0], orjson.loads(r[1]))
-                      for r in self._existing("entities", "entity_id", missing, "entity_id, state"))
+        states.update((k, (orjson.loads(v), ver)) for k, (v, ver) in self.store.entity_heads(missing).items())
+        # The versions this batch builds on: new traces must still be new, failures at the version read.
+        expected: dict[str, int] = dict.fromkeys(streams.to_pylist(), 0) if n else {}
         written: dict[str, dict[str, Any]] = {}
         new = upd = 0
         for fid, idxs in groups.items():
             tids = [f_tids[i] for i in idxs]
             tss = [f_tss[i] for i in idxs]
             kinds = sorted({k for i in idxs for k in f_kinds[i]}, key=FAILURE_KINDS.index)
-            old = states.get(fid)
+            old, version = states.get(fid, (None, 0))
+            expected[fid] = version
             if old is None:
                 # The batch's first trace of this failure carries the content (identical by definition).
                 payload = dict(b.first_payloads[fid])
@@ -356,13 +368,14 @@ class _Committer:
                                     "causation": ev_cause}, schema=BATCH_SCHEMA))
         if events:
             table = events[0] if len(events) == 1 else pa.concat_tables(events)
-            res = self.store.append_batch(table, correlation_id=self.correlation_id, validated=True)
+            res = self.store.append_batch(table, correlation_id=self.correlation_id, validated=True,
+                                          expected_versions=expected)
             s.events_appended += res.appended
             if res.already_recorded:
                 cache.clear()
             else:
                 for fid, payload in written.items():
-                    cache[fid] = payload
+                    cache[fid] = (payload, expected[fid] + 1)
                     cache.move_to_end(fid)
                 while len(cache) > FAILURE_STATE_CACHE:
                     cache.popitem(last=False)
@@ -375,24 +388,6 @@ class _Committer:
             s.quarantined_by_reason[q["reason"]] = s.quarantined_by_reason.get(q["reason"], 0) + 1
         s.new_failures += new
         s.updated_failures += upd
-
-@contextmanager
-def _duckdb_memory_cap(store: Any, mb: int) -> Iterator[None]:
-    """Cap DuckDB's buffer pool while ingesting. DuckDB defaults to 80% of RAM and never gives pages
-    back on its own: measured here, peak RSS grew from 1.2 GB (10^5 traces) to 2.0 GB (10^6) without
-    a cap. The previous limit is restored afterwards."""
-    con = store.con
-    try:
-        before = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
-    except Exception:  # noqa: BLE001 - a store without the setting: no cap
-        yield
-        return
-    con.execute(f"SET memory_limit = '{int(mb)}MB'")
-    try:
-        yield
-    finally:
-        con.execute(f"SET memory_limit = '{before}'")
-
 
 def _threaded(gen: Iterator[Batch]) -> Iterator[Batch]:
     """Run a batch generator one batch ahead in a daemon thread (exceptions re-raised here)."""
@@ -457,7 +452,9 @@ def ingest_paths(
     companions = plan_otlp(cfg, files, fmt)
     summary = IngestSummary()
     committer = _Committer(cfg, store, artifacts, summary, correlation_id)
-    with _duckdb_memory_cap(store, cfg.ingest.duckdb_memory_mb):
+    # DuckDB defaults to 80% of RAM and never gives pages back on its own: measured here, peak RSS grew
+    # from 1.2 GB (10^5 traces) to 2.0 GB (10^6) without a cap (a no-op on PostgreSQL).
+    with store.memory_limit(cfg.ingest.duckdb_memory_mb):
         for path in files:
             _ingest_file(cfg, committer, path, fmt, progress, companions.get(path, []))
     summary.elapsed_s = round(time.perf_counter() - t0, 3)

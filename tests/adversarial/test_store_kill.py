@@ -7,6 +7,7 @@ the warehouse (DuckDB replays its WAL) and checks, 20 times over the same file.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -80,3 +81,60 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_batch(tmp_path):
             assert len(set(present) - acked_all) <= trial + 1
             assert store.check_integrity() == []
     assert kills_mid_run >= TRIALS // 2, "the child rarely got to append before being killed"
+
+
+# The same on PostgreSQL: the child is a client of the server, so a SIGKILL leaves its open transaction
+# for the server to roll back. Kills are tied to the child's progress (after its first acknowledged
+# batch, a random short moment into a later one), not to wall-clock time.
+PG_CHILD = textwrap.dedent(
+    f"""
+    import sys
+    import pyarrow as pa
+    from flywheel.store import EventStore, BATCH_SCHEMA
+    store = EventStore(sys.argv[1])
+    n = int(sys.argv[2])
+    print("ready", flush=True)
+    while True:
+        t = pa.table({{
+            "stream": [f"trace:b{{n}}-{{i}}" for i in range({BATCH})],
+            "type": ["trace.ingested"] * {BATCH},
+            "payload": ['{{"b":%d,"i":%d,"pad":"%s"}}' % (n, i, "x" * 200) for i in range({BATCH})],
+            "causation": [[f"ingest:b{{n}}"]] * {BATCH},
+        }}, schema=BATCH_SCHEMA)
+        store.append_batch(t, validated=True)
+        print(f"ack {{n}}", flush=True)
+        n += 1
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_during_postgres_appends_loses_no_acknowledged_batch(pg_url):
+    rng = random.Random(4321)
+    acked_all: set[int] = set()
+    for trial in range(10):
+        proc = subprocess.Popen([sys.executable, "-c", PG_CHILD, pg_url, str(trial * 100_000)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines = [proc.stdout.readline()]
+        for _ in range(1 + rng.randrange(3)):  # after 1-3 acknowledged batches ...
+            lines.append(proc.stdout.readline())
+        time.sleep(rng.uniform(0, 0.05))  # ... somewhere into the next one
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        assert lines[0].strip() == "ready", f"trial {trial}: the child failed to start: {err[-2000:]}"
+        acked = {int(line.split()[1]) for line in lines + out.splitlines() if line.startswith("ack ")}
+        assert acked, f"trial {trial}: the child died before its first acknowledged batch: {err[-2000:]}"
+        acked_all |= acked
+        with EventStore(pg_url) as store:
+            events = store.read_arrow(stream="trace:*")
+            present: dict[int, list[str]] = {}
+            for stream, payload in zip(events.column("stream").to_pylist(), events.column("payload").to_pylist(),
+                                       strict=True):
+                present.setdefault(json.loads(payload)["b"], []).append(stream)
+            missing = acked_all - set(present)
+            assert not missing, f"trial {trial}: acknowledged batches lost: {sorted(missing)[:5]}"
+            bad = {b: len(v) for b, v in present.items() if len(v) != BATCH or len(set(v)) != BATCH}
+            assert not bad, f"trial {trial}: partial or doubled batches {bad}"
+            assert len(set(present) - acked_all) <= trial + 1
+            assert store.check_integrity() == []

@@ -172,6 +172,26 @@ def test_servers_use_postgres_and_the_object_store(compose):
     assert _env(mlflow)["AWS_ACCESS_KEY_ID"] == _env(services["minio"])["MINIO_ROOT_USER"]
 
 
+def test_workers_share_the_event_store_on_the_compose_postgres(compose):
+    """Team mode: every worker's store.url names the compose Postgres, a database its init script
+    creates, the user it runs as, and no password (that travels as PGPASSWORD)."""
+    from flywheel.config import load_config
+
+    services = compose["services"]
+    pg_env = _env(services["postgres"])
+    init = (COMPOSE.parent / "postgres-init.sql").read_text()
+    for name in FLYWHEEL_SERVICES:
+        env = _env(services[name])
+        url = load_config(environ=env).store.url
+        u = urlparse(url)
+        assert u.scheme == "postgresql" and u.hostname == "postgres" and u.port == _listen_port("postgres", services["postgres"])
+        assert u.username == pg_env["POSTGRES_USER"] and u.password is None
+        assert env["PGPASSWORD"] == pg_env["POSTGRES_PASSWORD"]
+        assert re.search(rf"CREATE DATABASE {u.path.lstrip('/')}\b", init)
+        deps = services[name]["depends_on"]
+        assert deps["postgres"]["condition"] == "service_healthy"
+
+
 def test_mlflow_accepts_the_host_name_workers_use(compose):
     """MLflow 3 rejects Host headers outside localhost/private IPs unless --allowed-hosts lists them;
     the workers send ``Host: mlflow:5000``."""

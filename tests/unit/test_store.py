@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,17 +11,28 @@ import warnings
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from flywheel.store import (
     BATCH_SCHEMA,
     ConcurrencyError,
     EventStore,
+    InvalidEventError,
     NewEvent,
     StoreError,
     canonical_json,
     compute_event_id,
 )
+
+
+@pytest.fixture
+def store(store_location):
+    """The store contract holds on both backends: every test taking ``store`` runs on DuckDB and on
+    PostgreSQL (a real server, started once per session)."""
+    s = EventStore(store_location)
+    yield s
+    s.close()
 
 
 def ev(i: int, causation=()) -> NewEvent:
@@ -101,7 +113,7 @@ def test_batch_rejects_unknown_types_nulls_and_invalid_json(store):
         store.append_batch(t)
     t = pa.table({"stream": ["trace:a"], "type": ["trace.ingested"], "payload": ["{not json"], "causation": [[]]},
                  schema=BATCH_SCHEMA)
-    with pytest.raises(duckdb.Error):
+    with pytest.raises(InvalidEventError, match="not valid JSON"):
         store.append_batch(t)
     with pytest.raises(TypeError, match="not JSON-serialisable"):
         store.append("trace:a", NewEvent("trace.ingested", {"x": object()}))
@@ -153,9 +165,9 @@ def test_batch_of_new_streams_numbers_rows_in_order_and_merges_entities_seen_bef
     assert (m["n_events"], m["stream"], m["state"]) == (2, "model:policy/1", {"v": 9})
     assert sorted(store.lineage("model:policy/1", "down")) == [("run:1", 1), ("run:2", 1)]
     assert store.check_integrity() == []
-    before = store.con.execute("SELECT * FROM entities ORDER BY ALL").fetchall()
+    before = store.projection_rows()
     store.rebuild_projections()
-    assert store.con.execute("SELECT * FROM entities ORDER BY ALL").fetchall() == before
+    assert store.projection_rows() == before
 
 
 def _chain(store):
@@ -191,15 +203,10 @@ def test_rebuilt_projections_equal_incremental(store):
     store.append("trace:t1", [ev(5, ["ingest:c"]), ev(6, ["ingest:b"])])  # known stream, known edge
     store.append_batch(batch([(f"trace:x{i}", "trace.ingested", {"i": i}, ["ingest:z"]) for i in range(50)]))
 
-    def snapshot():
-        return {
-            t: store.con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall()
-            for t in ("streams", "entities", "lineage_edges")
-        }
-
-    incremental = snapshot()
+    incremental = store.projection_rows()
+    assert incremental["lineage_edges"] and incremental["entities"]
     counts = store.rebuild_projections()
-    assert snapshot() == incremental
+    assert store.projection_rows() == incremental
     assert counts["events"] == store.last_seq() and counts["lineage_edges"] == len(incremental["lineage_edges"])
     assert store.check_integrity() == []
 
@@ -208,8 +215,9 @@ def test_export_writes_parquet_readable_elsewhere(store, tmp_path):
     _chain(store)
     written = store.export(tmp_path / "export")
     assert set(written) == {"events", "streams", "entities", "lineage_edges"}
-    con = duckdb.connect()
-    assert con.execute(f"SELECT count(*) FROM '{written['events']}'").fetchall()[0][0] == store.last_seq()
+    events = pq.read_table(written["events"])
+    assert events.num_rows == store.last_seq() and events.column("seq").to_pylist() == list(range(1, 10))
+    assert pq.read_table(written["lineage_edges"]).num_rows == store.projection_counts()["lineage_edges"]
     assert not [p for p in os.listdir(tmp_path / "export") if ".tmp" in p]
 
 
@@ -226,10 +234,10 @@ def test_files_are_private_and_closed_store_refuses_appends(cfg):
             ro.append("trace:a", ev(2))
 
 
-def test_reopen_keeps_events_and_continues_numbering(cfg):
-    with EventStore(cfg.warehouse) as s:
+def test_reopen_keeps_events_and_continues_numbering(store_location):
+    with EventStore(store_location) as s:
         s.append("trace:a", [ev(1), ev(2)])
-    with EventStore(cfg.warehouse) as s:
+    with EventStore(store_location) as s:
         assert s.append("trace:a", ev(1)).is_noop
         assert s.append("trace:a", ev(3)).first_seq == 3
         assert s.stream_version("trace:a") == 3 and s.check_integrity() == []
@@ -371,3 +379,50 @@ def test_a_batch_in_several_chunks_numbers_each_stream_across_them(store):
     assert [(e.stream, e.stream_version, e.payload["i"]) for e in store.read(after_seq=1)] == [
         ("trace:a", 2, 1), ("trace:b", 1, 2), ("trace:b", 2, 3), ("trace:a", 3, 4)]
     assert store.check_integrity() == []
+
+
+def test_export_is_private_under_any_umask(store, tmp_path):
+    """Export writes a 0700 directory of 0600 files whatever the caller's umask (traces are user data)."""
+    _chain(store)
+    old = os.umask(0o022)
+    try:
+        written = store.export(tmp_path / "export")
+    finally:
+        os.umask(old)
+    assert (os.stat(tmp_path / "export").st_mode & 0o777) == 0o700
+    for path in written.values():
+        assert (os.stat(path).st_mode & 0o777) == 0o600, path
+
+
+def test_export_path_with_a_quote_is_a_path_not_sql(store, tmp_path):
+    _chain(store)
+    out = tmp_path / "it's'; DROP TABLE events; --"
+    written = store.export(out)
+    assert pq.read_table(written["events"]).num_rows == store.last_seq() == 9
+    assert sorted(os.listdir(out)) == sorted(f"{t}.parquet" for t in written)
+    assert store.check_integrity() == []
+
+
+def test_stage_queries_answer_the_same_on_both_backends(store):
+    """The questions stages used to ask in DuckDB SQL on store.con, as store methods."""
+    store.append("suite:heldout", NewEvent("suite.versioned", {"entity_id": "suite:heldout@1"}))
+    store.append("suite:heldout", NewEvent("suite.versioned", {"entity_id": "suite:heldout@2"}))
+    store.append("trace:ok", NewEvent("trace.ingested", {"status": "success", "timestamp": "2026-01-02T03:04:05Z"}))
+    store.append("trace:bad", NewEvent("trace.ingested", {"status": "failure", "kinds": ["tool_call", "json"],
+                                                          "timestamp": "2026-01-03T00:00:00Z"}))
+    store.append("trace:bad2", NewEvent("trace.ingested", {"status": "failure", "kinds": ["json"],
+                                                           "timestamp": "2026-01-03T10:00:00Z"}))
+    store.append("failure:f", [NewEvent("failure.classified", {"entity_id": "failure:f", "n": 1}, ["trace:bad"]),
+                               NewEvent("failure.classified", {"entity_id": "failure:f", "n": 2}, ["trace:bad2"])])
+    assert store.latest_entity_id("suite:heldout@") == "suite:heldout@2"
+    assert store.latest_entity_id("suite:train@") is None
+    assert store.event_stats(["failure.classified"]) == (2, 7)
+    assert store.event_stats(["failure.classified", "trace.ingested"], after_seq=5) == (2, 7)
+    assert sorted(store.existing_streams(["trace:ok", "trace:nope", "failure:f"])) == ["failure:f", "trace:ok"]
+    assert sorted(store.existing_streams(pa.array(["trace:bad"]))) == ["trace:bad"]
+    heads = store.entity_heads(["failure:f", "failure:none"])
+    assert list(heads) == ["failure:f"] and json.loads(heads["failure:f"][0])["n"] == 2 and heads["failure:f"][1] == 2
+    assert json.loads(store.entity_states(["trace:ok"])["trace:ok"])["status"] == "success"
+    assert [e for e, _ in store.trace_states("success")] == ["trace:ok"]
+    assert [e for e, _ in store.trace_states("failure")] == ["trace:bad", "trace:bad2"]
+    assert store.failure_kinds_by_day() == [("2026-01-03", "json", 2), ("2026-01-03", "tool_call", 1)]

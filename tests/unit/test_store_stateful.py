@@ -3,7 +3,8 @@
 Rules append (single events and Arrow batches, with right, wrong and no expected versions, fresh and
 duplicate payloads), read and rebuild. Invariants after every step: versions contiguous per stream,
 no duplicate event_id, every acknowledged append readable exactly as acknowledged, and projections
-equal to what a rebuild from events produces.
+equal to what a rebuild from events produces. The machine runs on both backends: the embedded DuckDB
+file and a PostgreSQL database (a fresh one per example, on the session's server).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ causations = st.lists(st.sampled_from(["ingest:x", "ingest:y", "trace:a"]), max_
 
 
 class StoreMachine(RuleBasedStateMachine):
+    pg_server = None  # set for the PostgreSQL run
+
     def __init__(self):
         super().__init__()
         self.model: dict[str, list[tuple[str, dict]]] = {s: [] for s in STREAMS}  # stream -> [(event_id, payload)]
@@ -39,12 +42,24 @@ class StoreMachine(RuleBasedStateMachine):
         import tempfile
 
         self.dir = tempfile.TemporaryDirectory()
-        self.store = EventStore(f"{self.dir.name}/w.duckdb")
+        self.db = None
+        if self.pg_server is not None:
+            import uuid
+
+            self.db = f"h_{uuid.uuid4().hex[:16]}"
+            self.store = EventStore(self.pg_server.create_database(self.db))
+        else:
+            self.store = EventStore(f"{self.dir.name}/w.duckdb")
 
     def teardown(self):
         if hasattr(self, "store"):
             self.store.close()
             self.dir.cleanup()
+            if self.db:
+                import psycopg
+
+                with psycopg.connect(self.pg_server.url_for("postgres"), autocommit=True) as con:
+                    con.execute(f'DROP DATABASE IF EXISTS "{self.db}" WITH (FORCE)')
 
     def _model_append(self, stream: str, payloads_: list[dict]) -> tuple[int, int]:
         recorded = {eid for eid, _ in self.model[stream]}
@@ -95,13 +110,9 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: sum(map(len, self.model.values())) > 0)
     @rule()
     def rebuild(self):
-        def snap():
-            return {t: self.store.con.execute(f"SELECT * FROM {t} ORDER BY ALL").fetchall()
-                    for t in ("streams", "entities", "lineage_edges")}
-
-        before = snap()
+        before = self.store.projection_rows()
         self.store.rebuild_projections()
-        assert snap() == before
+        assert self.store.projection_rows() == before
 
     @invariant()
     def store_matches_model(self):
@@ -122,8 +133,27 @@ class StoreMachine(RuleBasedStateMachine):
         assert set(ids) == set(self.acked), "an acknowledged append is not readable"
 
 
-StoreMachine.TestCase.settings = settings(
+_SETTINGS = settings(
     max_examples=20, stateful_step_count=12, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+StoreMachine.TestCase.settings = _SETTINGS
 TestStoreStateful = pytest.mark.slow(StoreMachine.TestCase)
+
+
+class PostgresStoreMachine(StoreMachine):
+    pass
+
+
+PostgresStoreMachine.TestCase.settings = _SETTINGS
+
+
+@pytest.fixture
+def _postgres_machine(pg_server):
+    PostgresStoreMachine.pg_server = pg_server
+    yield
+    PostgresStoreMachine.pg_server = None
+
+
+TestStoreStatefulPostgres = pytest.mark.usefixtures("_postgres_machine")(
+    pytest.mark.slow(PostgresStoreMachine.TestCase))

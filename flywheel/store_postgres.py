@@ -1,0 +1,805 @@
+"""The event store on PostgreSQL (team mode: ``store.url = "postgresql://..."``).
+
+Same contract as the embedded store (:mod:`flywheel.store`); what differs is how it is kept:
+
+- Uniqueness is the server's: PRIMARY KEY (seq), UNIQUE (event_id), UNIQUE (stream, stream_version)
+  (``warehouse/postgres/001_events.sql``), so any number of writers on any number of machines share
+  the store.
+- An append is one transaction in three phases. (1) Without the lock: the batch's event ids, entity
+  ids and node ids are computed in this process (DuckDB over the Arrow batch, the same SQL as the
+  embedded store), its streams' versions and the names and entities it mentions are looked up, and
+  its new names are COPYed into ``entity_names``. (2) Under ``pg_advisory_xact_lock``: ``seq``
+  continues from ``max(seq)``; streams another writer appended to since phase 1 are looked up again;
+  ``expected_versions`` are checked; the events, the new entities and the new lineage edges are
+  COPYed in (COPY's text format, built column-wise in Arrow), known entities updated. (3) COMMIT,
+  which releases the lock: appends commit in seq order, so seq has no gaps and a reader that saw seq
+  n has seen every event before it. A writer that created one of the batch's entities or names
+  between (1) and (2) makes the copy fail on a unique index: the append is retried from (1).
+  Batches of up to :data:`flywheel.store.SMALL_APPEND` events skip COPY: one lookup and one statement.
+- Lineage walks are recursive CTEs over the (child, parent) primary key and the (parent, child) index
+  (``warehouse/postgres/queries``). Why not DuckDB attached to PostgreSQL through its ``postgres``
+  extension: that extension is downloaded from DuckDB's extension repository at ``INSTALL`` time
+  (nothing on PyPI ships it for DuckDB 2.0), which an offline worker cannot reach, and the
+  recursive CTE on the server answers the benchmark's model -> traces walk within its target
+  (``benchmarks/bench_event_store.py``).
+
+Driver: psycopg 3 (``COPY ... FROM STDIN`` for batches, server-side cursors for exports); asyncpg
+(installed with Prefect) would need an event loop in every stage for the same COPY.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import duckdb
+import numpy as np
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from flywheel.events import CATALOG
+from flywheel.store import (
+    EXPORT_TABLES,
+    SMALL_APPEND,
+    AppendResult,
+    EventStore,
+    InvalidEventError,
+    StoreError,
+    StoreUnavailableError,
+    _migrations,
+    _small_rows,
+    _split_sql,
+    _sql,
+    event_id_sql,
+    normalise_batch,
+    plan_append,
+    redact_url,
+    signed_node_id,
+)
+
+# Tries of a batch append that lost a race with another writer creating the same entity.
+APPEND_ATTEMPTS = 5
+# pg_advisory_xact_lock keys (two int4: "flyw", purpose): appends + rebuilds, and migrations.
+_APPEND_LOCK = (0x666C7977, 1)
+_MIGRATE_LOCK = (0x666C7977, 2)
+
+EVENTS_ARROW = pa.schema([
+    ("seq", pa.int64()), ("event_id", pa.string()), ("stream", pa.string()), ("stream_version", pa.int64()),
+    ("type", pa.string()), ("payload", pa.string()), ("causation", pa.list_(pa.string())),
+    ("correlation_id", pa.string()), ("recorded_at", pa.timestamp("us", tz="UTC")), ("schema_version", pa.int32()),
+])
+_EXPORT_SQL = {
+    "events": ("SELECT seq, event_id, stream, stream_version, type, payload::text, causation, correlation_id, "
+               "recorded_at, schema_version FROM events ORDER BY seq", EVENTS_ARROW),
+    "streams": ("SELECT stream, version FROM streams ORDER BY stream COLLATE \"C\"",
+                pa.schema([("stream", pa.string()), ("version", pa.int64())])),
+    "entities": ("SELECT entity_id, kind, stream, last_type, first_seq, last_seq, n_events, state::text AS state "
+                 "FROM entities ORDER BY first_seq",
+                 pa.schema([("entity_id", pa.string()), ("kind", pa.string()), ("stream", pa.string()),
+                            ("last_type", pa.string()), ("first_seq", pa.int64()), ("last_seq", pa.int64()),
+                            ("n_events", pa.int64()), ("state", pa.string())])),
+    "lineage_edges": ("SELECT child, parent, seq FROM lineage_edges ORDER BY seq, child COLLATE \"C\", parent COLLATE \"C\"",
+                      pa.schema([("child", pa.string()), ("parent", pa.string()), ("seq", pa.int64())])),
+}
+_BATCH_COLUMNS = "i, event_id, stream, type, payload, causation, entity, node, pnodes"
+
+
+def _names_of(batch: pa.Table, cols: pa.Table) -> pa.Table:
+    """(node, name) of every entity and causation name of a batch, once, sorted by node."""
+    causation = batch.column("causation").combine_chunks()
+    pnodes = cols.column("pnodes").combine_chunks()
+    t = pa.concat_tables([
+        pa.table({"node": cols.column("node"), "name": cols.column("entity")}),
+        pa.table({"node": pc.list_flatten(pnodes), "name": pc.list_flatten(causation)}),
+    ])
+    t = t.filter(pc.is_valid(t.column("name"))).group_by(["node", "name"]).aggregate([])
+    return t.sort_by("node")
+
+
+def _edges_of(rows: pa.Table, cols: pa.Table, seq: pa.Array) -> pa.Table:
+    """(child node, parent node, seq) for every causation name of the rows that is not the row's entity."""
+    causation = rows.column("causation").combine_chunks()
+    pnodes = cols.column("pnodes").combine_chunks()
+    owner = pc.list_parent_indices(causation)
+    names = pc.list_flatten(causation)
+    t = pa.table({"child": pc.take(cols.column("node"), owner), "parent": pc.list_flatten(pnodes), "name": names,
+                  "entity": pc.take(cols.column("entity"), owner), "seq": pc.take(seq, owner)})
+    keep = pc.and_(pc.is_valid(t.column("name")), pc.not_equal(t.column("name"), t.column("entity")))
+    return t.filter(keep).select(["child", "parent", "seq"])
+
+
+def _schema_versions(types: pa.ChunkedArray | pa.Array) -> pa.Array:
+    versions = pa.array(np.ones(len(types), dtype=np.int32))
+    for t, spec in CATALOG.items():
+        if spec.schema_version != 1:
+            versions = pc.if_else(pc.equal(types, t), pa.scalar(spec.schema_version, pa.int32()), versions)
+    return versions
+
+
+def _signed(n: int) -> int:
+    return n - (1 << 64) if n >= 1 << 63 else n
+
+
+def _pg_text(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Escape strings for COPY's text format (backslash, tab, newline, carriage return)."""
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    if not len(arr) or not pc.any(pc.match_substring_regex(arr, r"[\\\t\n\r]")).as_py():
+        return arr
+    for a, b in (("\\", "\\\\"), ("\t", "\\t"), ("\n", "\\n"), ("\r", "\\r")):
+        arr = pc.replace_substring(arr, a, b)
+    return arr
+
+
+def _pg_array(lists: pa.Array | pa.ChunkedArray, quote: bool) -> pa.Array:
+    """A list column as PostgreSQL array literals (``{"a","b"}`` / ``{1,2}``); null elements as NULL."""
+    lists = lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists
+    lists = pc.fill_null(lists, pa.scalar([], lists.type))
+    start, end = lists.offsets[0].as_py(), lists.offsets[-1].as_py()
+    values = lists.values.slice(start, end - start)
+    offsets = pc.subtract(lists.offsets, pa.scalar(start, lists.offsets.type))
+    text = values.cast(pa.string())
+    if quote:
+        text = pc.replace_substring(pc.replace_substring(text, "\\", "\\\\"), '"', '\\"')
+        text = pc.binary_join_element_wise('"', text, '"', "")
+    text = pc.fill_null(text, "NULL")
+    joined = pc.binary_join(pa.ListArray.from_arrays(offsets, text), ",")
+    return pc.binary_join_element_wise("{", joined, "}", "")
+
+
+class PostgresEventStore(EventStore):
+    """The event store in a PostgreSQL database (see the module docstring)."""
+
+    backend = "postgresql"
+
+    def __init__(self, url: str, *, read_only: bool = False, connect_timeout_s: int = 10, **_ignored: Any):
+        self.url = url
+        self.read_only = read_only
+        self.path = None  # no file: see ``location``
+        self._lock = threading.RLock()
+        try:
+            self.con = psycopg.connect(url, autocommit=True, connect_timeout=connect_timeout_s,
+                                       application_name="flywheel")
+        except psycopg.OperationalError as e:
+            raise StoreUnavailableError(f"cannot connect to the event store at {redact_url(url)}: "
+                                        f"{str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
+        self._closed = False
+        self._calc = duckdb.connect()  # in-memory: event ids and node ids of batches, off the server
+        if not read_only:
+            self._migrate()
+
+    @property
+    def location(self) -> str:
+        return redact_url(self.url)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.con.close()
+        finally:
+            self._calc.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"event store {self.location} is closed")
+
+    # -- schema ------------------------------------------------------------------------------
+    def _migrate(self) -> None:
+        con = self.con
+        with self._lock, con.transaction():
+            con.execute("SELECT pg_advisory_xact_lock(%s, %s)", _MIGRATE_LOCK)
+            con.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT, "
+                        "applied_at TIMESTAMPTZ DEFAULT now())")
+            done = {r[0] for r in con.execute("SELECT version FROM schema_migrations").fetchall()}
+            for version, name, script in _migrations("postgres"):
+                if version in done:
+                    continue
+                for stmt in _split_sql(script):
+                    con.execute(stmt)
+                con.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", [version, name])
+
+    def _q(self, sql: str, params: Any = None) -> list[tuple]:
+        self._check_open()
+        with self._lock:
+            return self.con.execute(sql, params).fetchall()
+
+    # -- appending ---------------------------------------------------------------------------
+    def append_batch(
+        self,
+        table: pa.Table,
+        *,
+        correlation_id: str | None = None,
+        expected_versions: dict[str, int] | None = None,
+        validated: bool = False,
+    ) -> AppendResult:
+        """Append many events (any streams) in one transaction; see :meth:`EventStore.append_batch` of the
+        embedded store for the semantics and the module docstring for how it is done here."""
+        self._check_open()
+        if table.num_rows == 0:
+            return AppendResult()
+        if self.read_only:
+            raise StoreError(f"event store {self.location} is open read-only; appends need a writable store")
+        batch = normalise_batch(table, validated)
+        if batch.num_rows <= SMALL_APPEND:
+            rows = _small_rows(batch)
+            if rows is not None:
+                with self._lock, self.con.transaction():
+                    return self._append_small(rows, correlation_id, expected_versions)
+        cols = self._prepare(batch)
+        for attempt in range(APPEND_ATTEMPTS):
+            try:
+                with self._lock, self.con.transaction():
+                    return self._append_tx(batch, cols, correlation_id, expected_versions)
+            except psycopg.errors.UniqueViolation:
+                # Another writer created one of this batch's entities, names or edges between the lookups
+                # and the copy: nothing was appended; look again.
+                if attempt == APPEND_ATTEMPTS - 1:
+                    raise
+            except psycopg.errors.InvalidTextRepresentation as e:
+                raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
+        raise AssertionError("unreachable")
+
+    def _append_small(self, rows: list[Any], correlation_id: str | None,
+                      expected_versions: dict[str, int] | None) -> AppendResult:
+        """A few events (what stages do between batches): under the lock from the start, one lookup and
+        one statement of inserts from arrays (no COPY, no staging table); the same plan and projections
+        as the batch path."""
+        cur = self.con.cursor()
+        cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
+        streams = sorted({r.stream for r in rows})
+        found = cur.execute(
+            """
+            SELECT NULL::text, coalesce(max(seq), 0), NULL::text[] FROM events
+            UNION ALL
+            SELECT s, (SELECT max(stream_version) FROM events e WHERE e.stream = s),
+                   ARRAY(SELECT e.event_id FROM events e WHERE e.stream = s AND e.event_id = ANY(%(ids)s))
+            FROM unnest(%(streams)s::text[]) AS s
+            """,
+            {"ids": [r.event_id for r in rows], "streams": streams},
+        ).fetchall()
+        base = found[0][1]
+        known = [(st, v, ids) for st, v, ids in found[1:] if v is not None]
+        plan = plan_append(pa.array([r.stream for r in rows], pa.string()), pa.array([r.event_id for r in rows], pa.string()),
+                           pa.array([k[0] for k in known], pa.string()), pa.array([k[1] for k in known], pa.int64()),
+                           pa.array([i for k in known for i in k[2]], pa.string()), expected_versions)
+        n_new = plan.n_new
+        result = AppendResult(appended=n_new, already_recorded=len(rows) - n_new)
+        if n_new == 0:
+            return result
+        fresh = [r for r, keep in zip(rows, plan.fresh, strict=True) if keep]
+        names: dict[str, int] = {}
+        for r in rows:
+            names[r.entity] = r.node
+            names.update((c, p) for c, p in zip(r.causation, r.parents, strict=True) if c is not None)
+        EventStore._check_node_ids(pa.table({"name": list(names), "node": pa.array(list(names.values()), pa.uint64())}), [])
+        ev = {"seq": [], "id": [], "stream": [], "version": [], "type": [], "payload": [], "causation": [], "sv": []}
+        entities: dict[int, list[int]] = {}
+        links: dict[tuple[int, int], int] = {}
+        for k, (r, version) in enumerate(zip(fresh, plan.versions.tolist(), strict=True)):
+            seq = base + 1 + k
+            for key, v in (("seq", seq), ("id", r.event_id), ("stream", r.stream), ("version", version), ("type", r.type),
+                           ("payload", r.payload), ("causation", "{" + ",".join(
+                               '"' + c.replace("\\", "\\\\").replace('"', '\\"') + '"' if c is not None else "NULL"
+                               for c in r.causation) + "}"),
+                           ("sv", CATALOG[r.type].schema_version if r.type in CATALOG else 1)):
+                ev[key].append(v)
+            e = entities.setdefault(_signed(r.node), [seq, seq, 0])
+            e[1], e[2] = seq, e[2] + 1
+            for name, parent in zip(r.causation, r.parents, strict=True):
+                if name is not None and name != r.entity:
+                    links.setdefault((_signed(r.node), _signed(parent)), seq)
+        try:
+            clash = cur.execute(
+                """
+                WITH x AS (SELECT * FROM unnest(%(nn)s::bigint[], %(nm)s::text[]) AS x(node, name)),
+                have AS MATERIALIZED (SELECT x.name, n.name AS old FROM x JOIN entity_names n ON n.node = x.node),
+                nm AS (INSERT INTO entity_names (node, name) SELECT node, name FROM x ORDER BY node ON CONFLICT (node) DO NOTHING),
+                ins AS (
+                    INSERT INTO events (seq, event_id, stream, stream_version, type, payload, causation, correlation_id,
+                                        recorded_at, schema_version)
+                    SELECT seq, id, stream, version, type, payload::json, causation::text[], %(corr)s, now(), sv
+                    FROM unnest(%(seq)s::bigint[], %(id)s::text[], %(stream)s::text[], %(version)s::bigint[],
+                                %(type)s::text[], %(payload)s::text[], %(causation)s::text[], %(sv)s::int[])
+                         AS e(seq, id, stream, version, type, payload, causation, sv)
+                ),
+                ent AS (
+                    INSERT INTO entity_index (node, first_seq, last_seq, n_events)
+                    SELECT * FROM unnest(%(en)s::bigint[], %(ef)s::bigint[], %(el)s::bigint[], %(ec)s::bigint[])
+                    ON CONFLICT (node) DO UPDATE SET last_seq = excluded.last_seq,
+                                                     n_events = entity_index.n_events + excluded.n_events
+                ),
+                lin AS (
+                    INSERT INTO lineage_links (child, parent, seq)
+                    SELECT * FROM unnest(%(lc)s::bigint[], %(lp)s::bigint[], %(ls)s::bigint[])
+                    ON CONFLICT (child, parent) DO NOTHING
+                )
+                SELECT old, name FROM have WHERE name <> old LIMIT 1
+                """,
+                {"nn": [_signed(n) for n in names.values()], "nm": list(names), "corr": correlation_id, **ev,
+                 "en": list(entities), "ef": [v[0] for v in entities.values()], "el": [v[1] for v in entities.values()],
+                 "ec": [v[2] for v in entities.values()], "lc": [c for c, _ in links], "lp": [p for _, p in links],
+                 "ls": list(links.values())},
+            ).fetchone()
+        except psycopg.errors.InvalidTextRepresentation as e:
+            raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
+        if clash:
+            raise StoreError(f"entity ids collide: {clash[0]!r} and {clash[1]!r} share the node id "
+                             f"{signed_node_id(clash[0])}; rename one of these entities (nothing was appended)")
+        result.first_seq, result.last_seq = base + 1, base + n_new
+        result.event_ids = [r.event_id for r in fresh]
+        return result
+
+    def _prepare(self, batch: pa.Table) -> pa.Table:
+        """Event ids, entity ids, node ids (signed) and the causation's node ids, computed in DuckDB."""
+        self._calc.register("_b", batch)
+        try:
+            out = self._calc.sql(
+                f"""
+                SELECT i, event_id, entity, (md5_number(entity) >> 64)::UBIGINT AS node, pnodes FROM (
+                    SELECT _i AS i, {event_id_sql()} AS event_id,
+                           coalesce(json_extract_string(payload, '$.entity_id'), stream) AS entity,
+                           list_transform(causation, lambda x: (md5_number(x) >> 64)::UBIGINT) AS pnodes
+                    FROM _b)
+                ORDER BY i
+                """
+            ).to_arrow_table()
+        except (duckdb.InvalidInputException, duckdb.ConversionException) as e:
+            raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
+        finally:
+            self._calc.unregister("_b")
+        out = out.set_column(3, "node", pc.cast(out.column("node"), pa.int64(), safe=False))
+        pn = out.column("pnodes").combine_chunks()
+        pn = pa.ListArray.from_arrays(pn.offsets, pc.cast(pn.values, pa.int64(), safe=False))
+        return out.set_column(4, "pnodes", pn)
+
+    def _lookup(self, cur: Any, streams: list[str]) -> tuple[pa.Array, pa.Array, pa.Array]:
+        """Of ``streams``: those that exist, their versions, and the batch's event ids they hold (an
+        event_id hashes its stream, so only existing streams can hold one)."""
+        if not streams:
+            return pa.array([], pa.string()), pa.array([], pa.int64()), pa.array([], pa.string())
+        rows = cur.execute(
+            "SELECT s, (SELECT max(e.stream_version) FROM events e WHERE e.stream = s) FROM unnest(%s::text[]) AS s",
+            [streams]).fetchall()
+        known = [(st, v) for st, v in rows if v is not None]
+        held: list[str] = []
+        if known:
+            held = [r[0] for r in cur.execute(
+                "SELECT e.event_id FROM events e JOIN unnest(%s::text[]) AS k(s) ON e.stream = k.s",
+                [[st for st, _ in known]]).fetchall()]
+        return (pa.array([st for st, _ in known], pa.string()), pa.array([int(v) for _, v in known], pa.int64()),
+                pa.array(held, pa.string()))
+
+    @staticmethod
+    def _copy(cur: Any, table: str, columns: str, fields: list[pa.Array]) -> None:
+        """COPY rows given as columns already in COPY's text form (built column-wise in Arrow)."""
+        fields = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
+        rows = pc.binary_join_element_wise(*fields, "\t") if len(fields) > 1 else fields[0]
+        rows = pc.binary_join_element_wise(rows, "", "\n")  # "row\n": the value buffer is the COPY stream
+        if not len(rows):
+            return
+        offsets = np.frombuffer(rows.buffers()[1], dtype=np.int32, count=len(rows) + 1 + rows.offset)
+        first, last = int(offsets[rows.offset]), int(offsets[-1])
+        with cur.copy(f"COPY {table} ({columns}) FROM STDIN") as cp:
+            cp.write(memoryview(rows.buffers()[2])[first:last])
+
+    def _append_tx(self, batch: pa.Table, cols: pa.Table, correlation_id: str | None,
+                   expected_versions: dict[str, int] | None) -> AppendResult:
+        """One try of a batch append (see the module docstring). Raises UniqueViolation when another
+        writer created one of the batch's entities or names meanwhile: the caller retries."""
+        cur = self.con.cursor()
+        n_rows = batch.num_rows
+        streams = batch.column("stream")
+        ids = cols.column("event_id")
+        uniq = pc.unique(streams).to_pylist()
+        # Phase 1, no lock: look the batch's streams up, record the names it mentions, find which of its
+        # entities exist.
+        watermark = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        known_s, known_v, held = self._lookup(cur, uniq)
+        names = _names_of(batch, cols)
+        EventStore._check_node_ids(pa.table({"name": names.column("name"),
+                                             "node": pc.cast(names.column("node"), pa.uint64(), safe=False)}), [])
+        have = cur.execute("SELECT node, name FROM entity_names WHERE node = ANY(%s)",
+                           [names.column("node").to_pylist()]).fetchall()
+        EventStore._check_node_ids(pa.table({"name": names.column("name"),
+                                             "node": pc.cast(names.column("node"), pa.uint64(), safe=False)}),
+                                   [(n % (1 << 64), x) for n, x in have])
+        fresh_names = names.filter(pc.invert(pc.is_in(names.column("node"), value_set=pa.array([n for n, _ in have],
+                                                                                                   pa.int64()))))
+        self._copy(cur, "entity_names", "node, name",
+                   [pc.cast(fresh_names.column("node"), pa.string()), _pg_text(fresh_names.column("name"))])
+        enodes = pc.unique(cols.column("node"))
+        old_entities = pa.array([r[0] for r in cur.execute(
+            "SELECT node FROM entity_index WHERE node = ANY(%s)", [enodes.to_pylist()]).fetchall()], pa.int64())
+        # Phase 2: number the events under the lock.
+        cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
+        base = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        if base > watermark:
+            touched = [r[0] for r in cur.execute(
+                "SELECT stream FROM events WHERE seq > %s INTERSECT SELECT unnest(%s::text[])", [watermark, uniq]).fetchall()]
+            if touched:  # another writer appended to our streams meanwhile: look those up again
+                s2, v2, h2 = self._lookup(cur, touched)
+                keep = pc.invert(pc.is_in(known_s, value_set=pa.array(touched, pa.string())))
+                known_s = pa.concat_arrays([known_s.filter(keep), s2])
+                known_v = pa.concat_arrays([known_v.filter(keep), v2])
+                held = pa.concat_arrays([held, h2])
+        plan = plan_append(streams, ids, known_s, known_v, held, expected_versions)
+        n_new = plan.n_new
+        result = AppendResult(appended=n_new, already_recorded=n_rows - n_new)
+        if n_new == 0:
+            return result
+        mask = pa.array(plan.fresh)
+        rows = batch.filter(mask) if n_new < n_rows else batch
+        fcols = cols.filter(mask) if n_new < n_rows else cols
+        seq = pa.array(np.arange(base + 1, base + 1 + n_new, dtype=np.int64))
+        corr = "\\N" if correlation_id is None else _pg_text(pa.array([correlation_id]))[0].as_py()
+        self._copy(cur, "events", "seq, event_id, stream, stream_version, type, payload, causation, correlation_id, "
+                   "schema_version", [
+                       pc.cast(seq, pa.string()), fcols.column("event_id"), _pg_text(rows.column("stream")),
+                       pc.cast(pa.array(plan.versions), pa.string()), _pg_text(rows.column("type")),
+                       _pg_text(rows.column("payload")), _pg_text(_pg_array(rows.column("causation"), quote=True)),
+                       pa.array([corr] * n_new, pa.string()), pc.cast(_schema_versions(rows.column("type")), pa.string()),
+                   ])
+        # entity_index: new entities copied in, known ones updated.
+        node = fcols.column("node")
+        agg = pa.table({"node": node, "seq": seq}).group_by("node").aggregate(
+            [("seq", "min"), ("seq", "max"), ("seq", "count")])
+        is_old = pc.is_in(agg.column("node"), value_set=old_entities)
+        new_e, old_e = agg.filter(pc.invert(is_old)), agg.filter(is_old)
+        self._copy(cur, "entity_index", "node, first_seq, last_seq, n_events",
+                   [pc.cast(new_e.column(c), pa.string()) for c in ("node", "seq_min", "seq_max", "seq_count")])
+        if old_e.num_rows:
+            cur.execute(
+                "UPDATE entity_index e SET last_seq = u.last, n_events = e.n_events + u.n "
+                "FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[]) AS u(node, last, n) WHERE e.node = u.node",
+                [old_e.column("node").to_pylist(), old_e.column("seq_max").to_pylist(), old_e.column("seq_count").to_pylist()])
+        # lineage_links: one row per (child, parent), the first event that recorded it; an edge can exist
+        # already only if its child entity did.
+        edges = _edges_of(rows, fcols, seq)
+        if edges.num_rows:
+            edges = edges.group_by(["child", "parent"]).aggregate([("seq", "min")])
+            is_old = pc.is_in(edges.column("child"), value_set=old_entities)
+            new_l, old_l = edges.filter(pc.invert(is_old)), edges.filter(is_old)
+            self._copy(cur, "lineage_links", "child, parent, seq",
+                       [pc.cast(new_l.column(c), pa.string()) for c in ("child", "parent", "seq_min")])
+            if old_l.num_rows:
+                cur.execute(
+                    "INSERT INTO lineage_links (child, parent, seq) SELECT * FROM unnest(%s::bigint[], %s::bigint[], "
+                    "%s::bigint[]) ON CONFLICT (child, parent) DO NOTHING",
+                    [old_l.column(c).to_pylist() for c in ("child", "parent", "seq_min")])
+        result.first_seq, result.last_seq = base + 1, base + n_new
+        if n_new <= 10_000:
+            result.event_ids = fcols.column("event_id").to_pylist()
+        return result
+
+    # -- projections -------------------------------------------------------------------------
+    def rebuild_projections(self) -> dict[str, int]:
+        """Drop and recompute every projection from the events alone (under the append lock)."""
+        self._check_open()
+        with self._lock, self.con.transaction():
+            con = self.con
+            con.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
+            con.execute("TRUNCATE entity_index, lineage_links, entity_names")
+            con.execute(
+                """
+                CREATE TEMP TABLE _fw_ev ON COMMIT DROP AS
+                SELECT seq, coalesce(payload->>'entity_id', stream) AS entity, causation FROM events
+                """
+            )
+            con.execute(
+                """
+                INSERT INTO entity_names (node, name)
+                SELECT DISTINCT flywheel_node(name), name FROM (
+                    SELECT entity AS name FROM _fw_ev UNION SELECT unnest(causation) FROM _fw_ev
+                ) x WHERE name IS NOT NULL
+                """
+            )
+            con.execute(
+                "INSERT INTO entity_index SELECT flywheel_node(entity), min(seq), max(seq), count(*) FROM _fw_ev "
+                "GROUP BY entity"
+            )
+            con.execute(
+                """
+                INSERT INTO lineage_links (child, parent, seq)
+                SELECT flywheel_node(entity), flywheel_node(parent), min(seq)
+                FROM _fw_ev CROSS JOIN LATERAL unnest(causation) AS parent
+                WHERE parent IS NOT NULL AND parent <> entity
+                GROUP BY 1, 2
+                """
+            )
+        return self.projection_counts()
+
+    def check_integrity(self) -> list[str]:
+        """The store's invariants (the server enforces the unique ones; the projections are checked
+        against the events); returns violations (empty = ok)."""
+        checks = {
+            "seq is not 1..n": "SELECT count(*) <> count(DISTINCT seq) OR coalesce(max(seq), 0) <> count(*) FROM events",
+            "duplicate event_id": "SELECT count(*) <> count(DISTINCT event_id) FROM events",
+            "stream versions not contiguous from 1": """
+                SELECT count(*) > 0 FROM (SELECT stream, count(*) n, count(DISTINCT stream_version) d,
+                       min(stream_version) lo, max(stream_version) hi FROM events GROUP BY stream) s
+                WHERE n <> d OR lo <> 1 OR hi <> n""",
+            "entity_index disagrees with events": """
+                SELECT count(*) > 0 FROM (
+                    SELECT flywheel_node(coalesce(payload->>'entity_id', stream)) AS node,
+                           min(seq) AS first_seq, max(seq) AS last_seq, count(*) AS n_events
+                    FROM events GROUP BY 1) e
+                FULL JOIN entity_index i USING (node)
+                WHERE (e.first_seq, e.last_seq, e.n_events) IS DISTINCT FROM (i.first_seq, i.last_seq, i.n_events)""",
+            "duplicate entity rows": "SELECT count(*) <> count(DISTINCT node) FROM entity_index",
+            "duplicate lineage edges": "SELECT count(*) <> count(DISTINCT (child, parent)) FROM lineage_links",
+            "entity names or node ids not unique, or a node id not its name's": """
+                SELECT count(*) <> count(DISTINCT node) OR count(*) <> count(DISTINCT name)
+                       OR coalesce(bool_or(node <> flywheel_node(name)), false) FROM entity_names""",
+            "an entity or lineage edge without a name": """
+                SELECT count(*) > 0 FROM (
+                    SELECT node FROM entity_index UNION ALL SELECT child FROM lineage_links
+                    UNION ALL SELECT parent FROM lineage_links
+                ) x WHERE NOT EXISTS (SELECT 1 FROM entity_names n WHERE n.node = x.node)""",
+        }
+        return [name for name, sql in checks.items() if self._q(sql)[0][0]]
+
+    def projection_counts(self) -> dict[str, int]:
+        tables = {"events": "events", "streams": "streams", "entities": "entity_index", "lineage_edges": "lineage_links"}
+        return {name: self._q(f"SELECT count(*) FROM {t}")[0][0] for name, t in tables.items()}
+
+    def projection_rows(self) -> dict[str, list[tuple]]:
+        c = 'COLLATE "C"'
+        return {
+            "streams": [tuple(r) for r in self._q(f"SELECT stream, version FROM streams ORDER BY stream {c}")],
+            "entities": [tuple(r) for r in self._q(
+                "SELECT entity_id, kind, stream, last_type, first_seq, last_seq, n_events, state::text FROM entities "
+                f"ORDER BY entity_id {c}, first_seq")],
+            "lineage_edges": [tuple(r) for r in self._q(
+                f"SELECT child, parent, seq FROM lineage_edges ORDER BY child {c}, parent {c}, seq")],
+        }
+
+    # -- reading -----------------------------------------------------------------------------
+    _EVENT_COLS = ("seq, event_id, stream, stream_version, type, payload::text, causation, correlation_id, "
+                   "recorded_at, schema_version")
+
+    def stream_version(self, stream: str) -> int:
+        return self._q("SELECT coalesce(max(stream_version), 0) FROM events WHERE stream = %s", [stream])[0][0]
+
+    @staticmethod
+    def _where(stream, types, after_seq, correlation_id) -> tuple[str, list[Any]]:
+        clauses, params = [], []
+        if stream is not None:
+            if stream.endswith("*"):
+                clauses.append("starts_with(stream, %s)")
+                params.append(stream[:-1])
+            else:
+                clauses.append("stream = %s")
+                params.append(stream)
+        if types:
+            clauses.append("type = ANY(%s)")
+            params.append([types] if isinstance(types, str) else list(types))
+        if after_seq is not None:
+            clauses.append("seq > %s")
+            params.append(after_seq)
+        if correlation_id is not None:
+            clauses.append("correlation_id = %s")
+            params.append(correlation_id)
+        return ("WHERE " + " AND ".join(clauses)) if clauses else "", params
+
+    def read(self, stream: str | None = None, types: Sequence[str] | str | None = None, after_seq: int | None = None,
+             limit: int | None = None, correlation_id: str | None = None, newest_first: bool = False) -> list:
+        where, params = self._where(stream, types, after_seq, correlation_id)
+        sql = f"SELECT {self._EVENT_COLS} FROM events {where} ORDER BY seq {'DESC' if newest_first else ''}"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return [self._event_from_row(r) for r in self._q(sql, params)]
+
+    def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None, limit: int | None = None) -> pa.Table:
+        where, params = self._where(stream, types, after_seq, correlation_id)
+        sql = f"SELECT {self._EVENT_COLS} FROM events {where} ORDER BY seq"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        return pa.Table.from_batches(list(self._batches(sql, params, EVENTS_ARROW)), schema=EVENTS_ARROW)
+
+    def _batches(self, sql: str, params: Any, schema: pa.Schema, size: int = 50_000) -> Iterator[pa.RecordBatch]:
+        """Rows of a query as Arrow record batches, through a server-side cursor (bounded memory)."""
+        self._check_open()
+        with self._lock, self.con.transaction():
+            with self.con.cursor(name="flywheel_export") as cur:
+                cur.itersize = size
+                cur.execute(sql, params)
+                while rows := cur.fetchmany(size):
+                    cols = list(zip(*rows, strict=True))
+                    yield pa.RecordBatch.from_arrays(
+                        [pa.array(list(c), type=f.type) for c, f in zip(cols, schema, strict=True)], schema=schema)
+
+    def _table_batches(self, table: str) -> pa.RecordBatchReader:
+        if table not in EXPORT_TABLES:
+            raise ValueError(f"not an exported table: {table!r}")
+        sql, schema = _EXPORT_SQL[table]
+        return pa.RecordBatchReader.from_batches(schema, self._batches(sql, None, schema))
+
+    def entity(self, entity_id: str) -> dict[str, Any] | None:
+        rows = self._q(
+            "SELECT e.stream, e.type, i.first_seq, i.last_seq, i.n_events, e.payload::text "
+            "FROM entity_index i JOIN events e ON e.seq = i.last_seq WHERE i.node = %s",
+            [signed_node_id(entity_id)],
+        )
+        if not rows:
+            return None
+        r = rows[0]
+        return {"entity_id": entity_id, "kind": entity_id.split(":", 1)[0], "stream": r[0], "last_type": r[1],
+                "first_seq": r[2], "last_seq": r[3], "n_events": r[4], "state": json.loads(r[5])}
+
+    def entities(self, kind: str, *, last_type: str | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT entity_id, last_type, state::text, first_seq, last_seq FROM entities WHERE kind = %s"
+        params: list[Any] = [kind]
+        if last_type:
+            sql += " AND last_type = %s"
+            params.append(last_type)
+        sql += " ORDER BY first_seq"
+        return [{"entity_id": r[0], "last_type": r[1], "state": json.loads(r[2]), "first_seq": r[3], "last_seq": r[4]}
+                for r in self._q(sql, params)]
+
+    def counts_by_kind(self) -> dict[str, int]:
+        return dict(self._q(
+            "SELECT split_part(n.name, ':', 1) AS kind, count(*) FROM entity_index i "
+            "JOIN entity_names n ON n.node = i.node GROUP BY 1 ORDER BY 1"))
+
+    def last_seq(self) -> int:
+        return self._q("SELECT coalesce(max(seq), 0) FROM events")[0][0]
+
+    def latest_entity_id(self, prefix: str) -> str | None:
+        rows = self._q(
+            "SELECT entity_id FROM entities WHERE kind = %s AND starts_with(entity_id, %s) ORDER BY last_seq DESC LIMIT 1",
+            [prefix.split(":", 1)[0], prefix])
+        return rows[0][0] if rows else None
+
+    def event_stats(self, types: Sequence[str], after_seq: int = 0) -> tuple[int, int]:
+        r = self._q("SELECT count(*), coalesce(max(seq), 0) FROM events WHERE type = ANY(%s) AND seq > %s",
+                    [list(types), int(after_seq)])[0]
+        return int(r[0]), int(r[1])
+
+    def existing_streams(self, streams: Sequence[str] | pa.Array | pa.ChunkedArray) -> list[str]:
+        values = streams.to_pylist() if isinstance(streams, pa.Array | pa.ChunkedArray) else list(streams)
+        if not values:
+            return []
+        return [r[0] for r in self._q(
+            "SELECT s FROM unnest(%s::text[]) AS s WHERE EXISTS (SELECT 1 FROM events e WHERE e.stream = s)", [values])]
+
+    def entity_heads(self, entity_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
+        ids = list(entity_ids)
+        if not ids:
+            return {}
+        rows = self._q(
+            "SELECT n.name, e.payload::text, e.stream_version FROM entity_index i JOIN entity_names n ON n.node = i.node "
+            "JOIN events e ON e.seq = i.last_seq WHERE i.node = ANY(%s)", [[signed_node_id(x) for x in ids]])
+        wanted = set(ids)
+        return {name: (state, int(v)) for name, state, v in rows if name in wanted}
+
+    def trace_states(self, status: str) -> list[tuple[str, dict[str, Any]]]:
+        rows = self._q(
+            """
+            SELECT entity_id, state::text FROM entities
+            WHERE kind = 'trace' AND last_type = 'trace.ingested'
+              AND coalesce(state->>'status', state->'outcome'->>'status', state->'trace'->'outcome'->>'status') = %s
+            ORDER BY first_seq
+            """, [status])
+        return [(r[0], json.loads(r[1])) for r in rows]
+
+    def failure_kinds_by_day(self) -> list[tuple[str, str, int]]:
+        rows = self._q(
+            """
+            SELECT substr(payload->>'timestamp', 1, 10) AS day, k.kind, count(*) AS n
+            FROM events CROSS JOIN LATERAL json_array_elements_text(
+                CASE WHEN json_typeof(payload->'kinds') = 'array' THEN payload->'kinds' ELSE '[]'::json END) AS k(kind)
+            WHERE type = 'trace.ingested' AND payload->>'status' = 'failure'
+            GROUP BY 1, 2 ORDER BY substr(payload->>'timestamp', 1, 10) COLLATE "C", k.kind COLLATE "C"
+            """)
+        return [(r[0], r[1], int(r[2])) for r in rows]
+
+    # -- lineage -----------------------------------------------------------------------------
+    def lineage(self, entity_id: str, direction: str = "down", max_depth: int = 64) -> list[tuple[str, int]]:
+        if direction not in ("down", "up"):
+            raise ValueError("direction must be 'down' or 'up'")
+        return [tuple(r) for r in self._q(_sql(f"postgres/queries/lineage_{direction}.sql"),
+                                          {"node": signed_node_id(entity_id), "depth": int(max_depth)})]
+
+    def lineage_edges(self, entity_id: str, max_depth: int = 64) -> list[tuple[str, str]]:
+        return [tuple(r) for r in self._q(_sql("postgres/queries/lineage_edges_down.sql"),
+                                          {"node": signed_node_id(entity_id), "depth": int(max_depth)})]
+
+    # -- migration from the embedded store ------------------------------------------------------
+    def import_events(self, table: pa.Table) -> int:
+        """Copy events exactly as recorded elsewhere (seq, ids, versions, times), in one transaction;
+        the batch must continue this store's seq. Projections are not touched (rebuild afterwards)."""
+        self._check_open()
+        if table.num_rows == 0:
+            return 0
+        t = table.select(EVENTS_ARROW.names)
+        with self._lock, self.con.transaction():
+            cur = self.con.cursor()
+            cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
+            base = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+            first = t.column("seq")[0].as_py()
+            if first != base + 1:
+                raise StoreError(f"import: the batch starts at seq {first}, the store is at {base}")
+            ts = pc.cast(t.column("recorded_at"), pa.timestamp("us", tz="UTC"))
+            fields = [
+                pc.cast(t.column("seq"), pa.string()), t.column("event_id"), _pg_text(t.column("stream")),
+                pc.cast(t.column("stream_version"), pa.string()), _pg_text(t.column("type")),
+                _pg_text(pc.cast(t.column("payload"), pa.string())),
+                _pg_text(_pg_array(t.column("causation"), quote=True)),
+                pc.if_else(pc.is_null(t.column("correlation_id")), "\\N",
+                           _pg_text(pc.fill_null(t.column("correlation_id"), ""))),
+                pc.strftime(ts, format="%Y-%m-%dT%H:%M:%S+00:00"),  # Arrow's %S has the microseconds
+                pc.cast(t.column("schema_version"), pa.string()),
+            ]
+            fields = [f.combine_chunks() if isinstance(f, pa.ChunkedArray) else f for f in fields]
+            rows = pc.binary_join_element_wise(*fields, "\t")
+            text = "\n".join(rows.to_pylist()) + "\n"
+            with cur.copy("COPY events (seq, event_id, stream, stream_version, type, payload, causation, "
+                          "correlation_id, recorded_at, schema_version) FROM STDIN") as cp:
+                cp.write(text.encode())
+        return t.num_rows
+
+
+# -- copying an embedded store to a server ----------------------------------------------------------
+def _comparable(t: pa.Table) -> list[tuple]:
+    """Rows of an events table in a form both backends agree on (instants as UTC microseconds)."""
+    t = t.select(EVENTS_ARROW.names)
+    cols = []
+    for name in EVENTS_ARROW.names:
+        c = t.column(name)
+        if name == "recorded_at":
+            c = pc.cast(pc.cast(c, pa.timestamp("us", tz="UTC")), pa.int64())
+        elif name == "payload":
+            c = pc.cast(c, pa.string())
+        cols.append(c.to_pylist())
+    return list(zip(*cols, strict=True))
+
+
+def migrate_events(src: EventStore, dst: PostgresEventStore, *, chunk: int = 100_000,
+                   progress: Any = None) -> dict[str, Any]:
+    """Copy every event of ``src`` into ``dst`` exactly (seq, ids, versions, payload text, times),
+    rebuild ``dst``'s projections, then verify event by event and check ``dst``'s integrity.
+
+    Resumable: a target that already holds the first k events of the source (verified first)
+    continues at k + 1; a target holding anything else is refused with nothing written.
+    ``progress(done, total, phase)`` is called after every chunk.
+    """
+    total, have = src.last_seq(), dst.last_seq()
+    if have > total:
+        raise StoreError(f"the target holds {have} events, the source {total}: it is not a copy of this store")
+
+    def compare(upto: int, phase: str) -> int:
+        """Events 1..upto equal on both sides (chunk by chunk); returns the number compared."""
+        done = 0
+        while done < upto:
+            n = min(chunk, upto - done)
+            a = _comparable(src.read_arrow(after_seq=done, limit=n))
+            b = _comparable(dst.read_arrow(after_seq=done, limit=n))
+            if a != b:
+                bad = next((x, y) for x, y in zip(a + [None] * len(b), b + [None] * len(a), strict=False) if x != y)
+                where = (bad[0] or bad[1])[0]
+                raise StoreError(f"event seq {where} differs between the source and the target ({phase}): "
+                                 f"source {bad[0]!r:.300}, target {bad[1]!r:.300}")
+            done += n
+            if progress:
+                progress(done, upto, phase)
+        return done
+
+    compare(have, "checking what the target already holds")
+    copied, done = 0, have
+    while done < total:
+        t = src.read_arrow(after_seq=done, limit=chunk)
+        copied += dst.import_events(t)
+        done += t.num_rows
+        if progress:
+            progress(done, total, "copying events")
+    dst.rebuild_projections()
+    verified = compare(total, "verifying")
+    problems = dst.check_integrity()
+    if problems:
+        raise StoreError(f"the target fails its integrity check after the copy: {problems}")
+    return {"events": total, "copied": copied, "already_there": have, "verified": verified,
+            "projections": dst.projection_counts()}
