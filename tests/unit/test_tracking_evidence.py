@@ -8,8 +8,8 @@ import json
 
 import pyarrow as pa
 import pytest
-
 from flywheel.schemas.rollouts import ROLLOUT_SCHEMA
+
 from flywheel.tracking import DatasetSpec, Tracker, public_uri
 
 
