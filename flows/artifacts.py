@@ -48,14 +48,26 @@ def artifact_keys(deployment: str | None) -> dict[str, str]:
 def _num(x: Any, fmt: str) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
-    return format(x, fmt)
+    return format(x + 0.0 if isinstance(x, float) else x, fmt)  # + 0.0: -0.0 prints as 0
 
 
 def stage_counts(stage: str, s: Mapping[str, Any] | Any) -> str:
-    """One line of counts for a stage summary (the table's ``counts`` column)."""
+    """One line of counts for a stage summary (the table's ``counts`` column). A summary of a shape
+    this does not know (a stage changed its fields) falls back to its numeric fields."""
     if not isinstance(s, Mapping):
         return str(s)
-    if "skipped" in s:
+    try:
+        return _known_counts(stage, s)
+    except (TypeError, ValueError, AttributeError, KeyError):
+        return _scalars(s)
+
+
+def _scalars(s: Mapping[str, Any]) -> str:
+    return ", ".join([f"{k} {v}" for k, v in s.items() if isinstance(v, int | float) and not isinstance(v, bool)][:8])
+
+
+def _known_counts(stage: str, s: Mapping[str, Any]) -> str:
+    if isinstance(s.get("skipped"), str):  # a stage that did not run says why (evals/envs list skipped items)
         return f"skipped: {s['skipped']}"
     key = _STAGE_KEYS.get(stage, stage)
     if key == "ingest":
@@ -65,7 +77,8 @@ def stage_counts(stage: str, s: Mapping[str, Any] | Any) -> str:
         splits = s.get("splits") or {}
         return ", ".join(f"{k} {v}" for k, v in sorted(splits.items())) or f"{len(s.get('suites') or [])} suites"
     if key == "envs":
-        return ", ".join(s.get("envs") or []) or "no environment"
+        envs = [f"{e.get('env')} ({e.get('tasks')} tasks)" if isinstance(e, Mapping) else str(e) for e in s.get("envs") or []]
+        return ", ".join(envs) or "no environment"
     if key in ("rollouts", "rollouts_after_sft"):
         st = s.get("stats") or {}
         return (f"{s.get('policy')}: {s.get('samples')} samples of {s.get('tasks')} tasks, pass@1 "
@@ -80,8 +93,7 @@ def stage_counts(stage: str, s: Mapping[str, Any] | Any) -> str:
                 f"losses on {n.get('paired_items')} paired items")
     if key == "deploy":
         return ", ".join(f"{k} {v}" for k, v in s.items() if isinstance(v, str | int) and not isinstance(v, bool))[:300]
-    scalars = [f"{k} {v}" for k, v in s.items() if isinstance(v, int | float) and not isinstance(v, bool)]
-    return ", ".join(scalars[:8])
+    return _scalars(s)
 
 
 def stage_markdown(stage: str, summary: Mapping[str, Any] | Any) -> str:
@@ -120,8 +132,9 @@ def cycle_markdown(result: Mapping[str, Any], *, champion: str | None, report: s
              "| | |", "|---|---|", f"| cycle | `{result.get('cycle')}` |", f"| wall time | {result.get('wall_s')} s |"]
     if gate:
         lines += [
-            f"| gate decision | **{gate.get('outcome')}**: exact sign test p = {_num(gate.get('p_value'), '.4g')} "
-            f"({n.get('wins')} wins / {n.get('losses')} losses on {n.get('paired_items')} paired held-out items) |",
+            f"| gate decision | **{gate.get('outcome')}** |",
+            f"| evidence | exact sign test p = {_num(gate.get('p_value'), '.4g')}: {n.get('wins')} wins / "
+            f"{n.get('losses')} losses on {n.get('paired_items')} paired held-out items |",
             f"| held-out pass rate | champion {_num(n.get('champion_pass_rate'), '.1%')}, challenger "
             f"{_num(n.get('challenger_pass_rate'), '.1%')} |",
         ]

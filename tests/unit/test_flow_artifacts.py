@@ -9,7 +9,8 @@ GATE = {
     "gate_id": "gate:abc", "outcome": "refused", "passed": False, "p_value": 0.0625,
     "reasons": ["exact sign test on 4 wins / 0 losses (9 items): one-sided p = 0.0625 >= 0.05"],
     "rules": [{"rule": "significance", "passed": False, "value": 0.0625, "threshold": 0.05, "reason": "..."},
-              {"rule": "min_pass_rate", "passed": True, "value": 0.444, "threshold": 0.0, "reason": "..."}],
+              {"rule": "min_pass_rate", "passed": True, "value": 0.444, "threshold": 0.0, "reason": "..."},
+              {"rule": "max_slice_regression", "passed": True, "value": -0.0, "threshold": 0.1, "reason": "..."}],
     "numbers": {"wins": 4, "losses": 0, "paired_items": 9, "champion_pass_rate": 0.0, "challenger_pass_rate": 4 / 9,
                 "by_origin": {"failure": {"n": 7, "champion_rate": 0.0, "challenger_rate": 3 / 7, "wins": 3, "losses": 0},
                               "success": {"n": 2, "champion_rate": 0.0, "challenger_rate": 0.5, "wins": 1, "losses": 0}}},
@@ -22,8 +23,8 @@ RESULT = {
     "stages": {
         "ingest": {"read": 22, "ingested": 22, "quarantined": 0, "new_failures": 19, "files": [{"path": "x"}]},
         "new_failures": 19,
-        "evals": {"splits": {"train": 12, "heldout": 9}, "suites": ["suite:train@1", "suite:heldout@1"]},
-        "envs": {"envs": ["env:train@1"]},
+        "evals": {"splits": {"train": 12, "heldout": 9}, "suites": ["suite:train@1", "suite:heldout@1"], "skipped": []},
+        "envs": {"envs": [{"env": "env:train@1", "tasks": 12, "synth_tasks": 0, "new_version": True}], "skipped": []},
         "rollouts": {"policy": "base:tiny", "samples": 12, "tasks": 6, "published": True,
                      "stats": {"pass_at_1": 0.0, "pass_at_k": 0.0, "zero_variance_share": 1.0}},
         "train_mode": {"mode": "sft", "why": "pass@K is 0"},
@@ -53,14 +54,15 @@ def test_cycle_summary_names_decision_p_value_rates_champion_and_links(tmp_path)
     md = cycle_markdown(RESULT, champion="model:policy/1", report=str(report), report_error=None,
                         model_link="http://127.0.0.1:5000/#/models/policy/versions/3")
     assert md.startswith("# flywheel cycle: refused\n")
-    assert "**refused**: exact sign test p = 0.0625 (4 wins / 0 losses on 9 paired held-out items)" in md
+    assert "| gate decision | **refused** |" in md
+    assert "| evidence | exact sign test p = 0.0625: 4 wins / 0 losses on 9 paired held-out items |" in md
     assert "| held-out pass rate | champion 0.0%, challenger 44.4% |" in md
     assert "fix rate (held-out production failures) | champion 0.0%, challenger 42.9% (7 items)" in md
     assert "keep rate (held-out production successes) | champion 0.0%, challenger 50.0% (2 items)" in md
     assert "| champion after the cycle | `model:policy/1` |" in md
     assert f"[1234.html]({report.as_uri()})" in md
     assert "[http://127.0.0.1:5000/#/models/policy/versions/3](http://127.0.0.1:5000/#/models/policy/versions/3)" in md
-    assert "| significance | FAIL | 0.0625 | 0.05 |" in md and "- exact sign test on 4 wins" in md
+    assert "| significance | FAIL | 0.0625 | 0.05 |" in md and "| max_slice_regression | pass | 0 | 0.1 |" in md and "- exact sign test on 4 wins" in md
 
 
 def test_cycle_summary_without_gate_or_report_says_so():
@@ -77,6 +79,7 @@ def test_stage_table_has_one_row_per_stage_in_run_order_with_counts():
     by = {r["stage"]: r["counts"] for r in rows}
     assert by["ingest"] == "22 read, 22 ingested, 0 quarantined, 19 new failures"
     assert by["evals"] == "heldout 9, train 12"
+    assert by["envs"] == "env:train@1 (12 tasks)"
     assert by["rollouts-after-sft"].startswith("model:policy/2: 12 samples of 6 tasks, pass@1 0.25, pass@K 0.50")
     assert by["train-grpo"] == "model:policy/3: 1 steps, loss 0.0100"
     assert by["gate"] == "refused: p = 0.0625, 4 wins / 0 losses on 9 paired items"
@@ -87,3 +90,10 @@ def test_stage_markdown_shows_counts_and_scalar_fields():
     assert md.splitlines()[:3] == ["### ingest", "", "22 read, 22 ingested, 0 quarantined, 19 new failures"]
     assert "| read | 22 |" in md and "| files | 1 items |" in md
     assert "skipped: no demonstrations" in stage_markdown("train-sft", {"skipped": "no demonstrations"})
+
+
+def test_stage_counts_fall_back_to_numeric_fields_for_an_unknown_shape():
+    from flywheel.flows.artifacts import stage_counts
+
+    assert stage_counts("envs", {"envs": 3, "events_appended": 2}) == "envs 3, events_appended 2"
+    assert stage_counts("custom", {"items": 4, "note": "x"}) == "items 4"
