@@ -942,7 +942,7 @@ def run_gate(
                     else ("both pass" if p.champion else "both fail")} for p in paired],
             rules=[asdict(r) for r in rules],
             datasets=[DatasetSpec(str(s.entity_id), "evaluation", s.version_hash, len(s.tasks),
-                                  source={"artifact": (s.artifact or {}).get("sha256"), "role": role})
+                                  source={"artifact": f"sha256:{(s.artifact or {}).get('sha256')}", "role": role})
                       for s, role in ((suite_obj, "held-out"), (reg_suite if ch_reg is not None else None, "regression"))
                       if s is not None],
             version_tags={"gate.outcome": outcome, "gate.p_value": f"{stats.p_value:.6g}", "gate.id": gate_id,

@@ -22,6 +22,7 @@ sources (SFT: eval/synth/trace ids) plus the base model's entity id (``model:<na
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -31,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
 
 from flywheel.store import canonical_json
 from flywheel.tracking import DatasetSpec
@@ -217,21 +220,18 @@ def _summary(history: list[dict[str, float]], wall: float) -> dict[str, float]:
 
 
 def rollouts_dataset(entity_id: str, table: Any, payload: dict[str, Any]) -> DatasetSpec:
-    """A published rollout dataset as a ``training`` input: digest = its Parquet artifact's sha256."""
-    art = payload.get("artifact") or {}
-    sha = art.get("sha256") or ""
-    return DatasetSpec(entity_id, "training", sha[:16], table.num_rows, schema=table.schema,
-                       source={"artifact": f"sha256:{sha}", "envs": payload.get("env_ids"), "policy": payload.get("policy")})
+    """A published rollout dataset as a ``training`` input: digest = its Parquet artifact's sha256 (for
+    rollouts sampled during training, which carry no payload here: the id, itself a hash of the inputs)."""
+    sha = (payload.get("artifact") or {}).get("sha256") or ""
+    source = {"artifact": f"sha256:{sha}"} if sha else {}
+    return DatasetSpec(entity_id, "training", sha[:16] or entity_id.split(":", 1)[-1][:16], table.num_rows,
+                       schema=table.schema, source={**source, "envs": payload.get("env_ids"), "policy": payload.get("policy")})
 
 
 def demonstrations_dataset(demos: Sequence[Demonstration], sources: Sequence[str]) -> DatasetSpec:
     """SFT demonstrations as a ``demonstrations`` input, named ``demonstrations@<digest>``: the digest
     hashes every demonstration (conversation, tools, answer, source), the source lists the
     event-store entities they came from (the same ids as the run's causation, at most 200)."""
-    import hashlib
-
-    import pyarrow as pa
-
     rows = [{"source_entity_id": d.source_entity_id, "split": d.split, "messages": canonical_json(d.messages),
              "tools": canonical_json(d.tools or []),
              "answer": canonical_json([[c.name, c.arguments] for c in d.answer_calls] if d.answer_calls
