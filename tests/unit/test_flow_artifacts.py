@@ -97,3 +97,12 @@ def test_stage_counts_fall_back_to_numeric_fields_for_an_unknown_shape():
 
     assert stage_counts("envs", {"envs": 3, "events_appended": 2}) == "envs 3, events_appended 2"
     assert stage_counts("custom", {"items": 4, "note": "x"}) == "items 4"
+
+
+def test_cli_cycle_summary_points_to_the_report_and_the_prefect_artifacts(capsys):
+    from flywheel.cli.cycle import print_cycle_summary
+
+    print_cycle_summary({**RESULT, "published": {"report": "/h/reports/1234.html", "summary": "flywheel-adhoc-cycle-summary",
+                                                 "stages": "flywheel-adhoc-cycle-stages"}})
+    out = capsys.readouterr().out
+    assert "/h/reports/1234.html" in out and "flywheel-adhoc-cycle-summary" in out
