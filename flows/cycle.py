@@ -20,6 +20,8 @@ Prefect). Entrypoint for deployments: ``flows/cycle.py:flywheel_cycle``.
 - Sandbox: ``stages["sandbox"]`` (recorded in ``cycle.completed``) is the isolation sandboxed verifiers
   got on this machine (:func:`flywheel.sandbox.isolation_report`); the CLI summary warns loudly when
   it is weak or incomplete.
+- Prefect UI: each stage's task run carries a markdown artifact of its result, and the flow run a
+  summary and a per-stage table under keys stable per deployment (:mod:`flywheel.flows.artifacts`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flywheel.flows.artifacts import publish_cycle, publish_stage
 from flywheel.flows.cycle_env import prefect_environment  # noqa: F401 - re-exported
 from prefect import flow, task
 
@@ -95,7 +98,7 @@ def ingest_stage(key: str, paths: list[str], correlation_id: str) -> dict:
     r = _res()
     _report("ingest", status="running", files=len(paths))
     s = ingest_paths(r.cfg, r.store, r.artifacts, [Path(p) for p in paths], correlation_id=correlation_id)
-    return summarize(s)
+    return publish_stage("ingest", summarize(s))
 
 
 @task(name="evals", **STAGE)
@@ -103,7 +106,7 @@ def evals_stage(key: str, correlation_id: str) -> dict:
     from flywheel.evals import build_evals
 
     r = _res()
-    return summarize(build_evals(r.cfg, r.store, r.artifacts, correlation_id=correlation_id))
+    return publish_stage("evals", summarize(build_evals(r.cfg, r.store, r.artifacts, correlation_id=correlation_id)))
 
 
 @task(name="envs", **STAGE)
@@ -111,7 +114,7 @@ def envs_stage(key: str, correlation_id: str) -> dict:
     from flywheel.envs import build_envs
 
     r = _res()
-    return summarize(build_envs(r.cfg, r.store, r.artifacts, correlation_id=correlation_id))
+    return publish_stage("envs", summarize(build_envs(r.cfg, r.store, r.artifacts, correlation_id=correlation_id)))
 
 
 @task(name="synth", **STAGE)
@@ -119,7 +122,8 @@ def synth_stage(key: str, correlation_id: str) -> dict:
     from flywheel.synth import run_synth
 
     r = _res()
-    return summarize(run_synth(r.cfg, r.store, r.artifacts, env=r.cfg.cycle.train_env, correlation_id=correlation_id))
+    return publish_stage("synth", summarize(run_synth(r.cfg, r.store, r.artifacts, env=r.cfg.cycle.train_env,
+                                                      correlation_id=correlation_id)))
 
 
 @task(name="rollouts", **STAGE)
@@ -136,7 +140,7 @@ def rollout_stage(key: str, policy: str, correlation_id: str) -> dict:
                      progress=progress)
     out = summarize(s)
     out["wall_s"] = round(time.perf_counter() - t0, 2)
-    return out
+    return publish_stage("rollouts", out)
 
 
 @task(name="train-sft", **STAGE)
@@ -153,7 +157,7 @@ def sft_stage(key: str, base: str, correlation_id: str) -> dict:
         regression = []
     demos = demonstrations_from_tasks(env.tasks, regression)
     if not demos:
-        return {"skipped": "no demonstrations: no train task has a reference answer"}
+        return publish_stage("train-sft", {"skipped": "no demonstrations: no train task has a reference answer"})
 
     def on_step(step: int, m: dict) -> None:
         _report("train-sft", status="running", step=step, total=r.cfg.train.sft_steps, loss=m.get("loss"))
@@ -162,7 +166,7 @@ def sft_stage(key: str, base: str, correlation_id: str) -> dict:
     out = summarize(res)
     out["demonstrations"] = len(demos)
     out["history"] = [{"step": h.get("step"), "loss": h.get("loss")} for h in res.history]
-    return out
+    return publish_stage("train-sft", out)
 
 
 @task(name="train-grpo", **STAGE)
@@ -179,7 +183,7 @@ def grpo_stage(key: str, rollout_ids: list[str], base: str, correlation_id: str)
     out = summarize(res)
     out["history"] = [{k: h.get(k) for k in ("step", "loss", "reward_mean", "kl", "clip_frac", "grad_norm")}
                       for h in res.history]
-    return out
+    return publish_stage("train-grpo", out)
 
 
 @task(name="gate", **STAGE)
@@ -189,7 +193,7 @@ def gate_stage(key: str, model_version: int, correlation_id: str) -> dict:
     r = _res()
     _report("gate", status="running", model_version=model_version)
     d = run_gate(r.cfg, r.store, r.artifacts, r.tracker, model_version, correlation_id=correlation_id)
-    return summarize(d)
+    return publish_stage("gate", summarize(d))
 
 
 @task(name="deploy", **STAGE)
@@ -198,7 +202,7 @@ def deploy_stage(key: str, model_version: int, gate_id: str, correlation_id: str
 
     r = _res()
     dep = promote(r.cfg, r.store, r.tracker, model_version, correlation_id=correlation_id)
-    return summarize(dep)
+    return publish_stage("deploy", summarize(dep))
 
 
 # ---------------------------------------------------------------------------------------------- flow
@@ -272,6 +276,7 @@ def flywheel_cycle(
             "entity_id": cycle_id, "outcome": outcome, "reason": reason, "stages": stages,
             "wall_s": result["wall_s"], "timings": timings,
         }, list(dict.fromkeys(outputs))), correlation_id=corr)
+        result["published"] = publish_cycle(_res(), result)  # Prefect artifacts + the HTML report
         _report("cycle", status="done", outcome=outcome, reason=reason)
         return result
 

@@ -69,6 +69,7 @@ from flywheel.stats import (
     paired_bootstrap,
     sign_test,
 )
+from flywheel.tracking import DatasetSpec
 
 
 class GateError(RuntimeError):
@@ -933,6 +934,20 @@ def run_gate(
             "wins", "losses", "ties", "paired_items", "infra_excluded", "mde") if isinstance(numbers.get(k), int | float)})
         run.log_metrics({"passed": float(outcome == "passed")})
         run.log_text(md, "gate_report.md")
+        tracker.log_gate_evidence(
+            run, model=name, version=version,
+            items=[{"item": p.task_id, "slice": ", ".join(p.labels), "champion_pass": p.champion,
+                    "challenger_pass": p.challenger,
+                    "change": ("win" if p.challenger else "loss") if p.champion != p.challenger
+                    else ("both pass" if p.champion else "both fail")} for p in paired],
+            rules=[asdict(r) for r in rules],
+            datasets=[DatasetSpec(str(s.entity_id), "evaluation", s.version_hash, len(s.tasks),
+                                  source={"artifact": f"sha256:{(s.artifact or {}).get('sha256')}", "role": role})
+                      for s, role in ((suite_obj, "held-out"), (reg_suite if ch_reg is not None else None, "regression"))
+                      if s is not None],
+            version_tags={"gate.outcome": outcome, "gate.p_value": f"{stats.p_value:.6g}", "gate.id": gate_id,
+                          "gate.champion": str(champion), "gate.suite": suite_id},
+        )
         run_id = run.run_id
     payload = {
         "entity_id": gate_id, "outcome": outcome, "passed": outcome == "passed", "p_value": numbers["p_value"],

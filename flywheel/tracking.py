@@ -7,18 +7,35 @@
   be traced from the MLflow UI back into the event store.
 - Models are registered versions; aliases ``challenger`` and ``champion`` mark the candidate and the
   deployed model.
+- Datasets (:class:`DatasetSpec`, :meth:`RunHandle.log_datasets`): a run's inputs are MLflow dataset
+  inputs (``mlflow.data``: name, digest, a ``flywheel`` source holding the event-store entity id,
+  the Arrow schema as MLflow column specs, the row count as profile) with context ``training``,
+  ``demonstrations`` or ``evaluation``, so MLflow's own view of a model version's run lists what it
+  learned from, by the same ids ``flywheel trace`` walks.
+- Gate evidence (:meth:`Tracker.log_gate_evidence`): the per-item table and the rule results as
+  MLflow tables, the suites as ``evaluation`` inputs, and the decision as tags on the challenger's
+  model version (``gate.outcome``, ``gate.p_value``, ``gate.id``).
+- Traces (:meth:`Tracker.iter_traces`): MLflow Tracing traces of an experiment, oldest first, for
+  ``flywheel ingest --from mlflow``.
 
 MLflow is imported lazily (1.5 s cold) so that ``flywheel --help`` stays fast.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlsplit, urlunsplit
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 EXPERIMENT = "flywheel"
 _TAG_MAX = 5000  # MLflow's tag value limit is 8000 characters; leave room for the key
@@ -26,6 +43,149 @@ _TAG_MAX = 5000  # MLflow's tag value limit is 8000 characters; leave room for t
 
 class TrackingError(RuntimeError):
     pass
+
+
+DATASET_CONTEXTS = ("training", "demonstrations", "evaluation")
+_DIGEST_MAX = 36  # MLflow's datasets.digest column is VARCHAR(36)
+_SOURCE_TYPE = "flywheel"
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One input of a run, as MLflow records it (a dataset input of the run).
+
+    ``entity_id``: the event-store entity the data is (``rollouts:…``, ``suite:heldout@3``) or, for
+    data assembled from many entities (SFT demonstrations), a name for the set; ``context``: one of
+    :data:`DATASET_CONTEXTS`; ``digest``: a content hash (the artifact's sha256, the suite's version
+    hash), cut to 36 characters; ``rows``: the row count (MLflow's profile); ``schema``: the Arrow
+    schema, shown as MLflow column specs; ``source``: more fields of the source (artifact sha256,
+    member entity ids). ``name`` defaults to ``entity_id``.
+    """
+
+    entity_id: str
+    context: str
+    digest: str
+    rows: int
+    schema: pa.Schema | None = None
+    source: Mapping[str, Any] = field(default_factory=dict)
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.context not in DATASET_CONTEXTS:
+            raise ValueError(f"dataset {self.entity_id}: context {self.context!r} is not one of {DATASET_CONTEXTS}")
+
+
+def _mlflow_type(t: Any) -> Any:
+    """An Arrow type as an MLflow schema type (``None`` when MLflow has no equivalent)."""
+    import pyarrow as pa
+    from mlflow.types.schema import Array, DataType, Map
+
+    if pa.types.is_boolean(t):
+        return DataType.boolean
+    if pa.types.is_integer(t):
+        return DataType.long if t.bit_width > 32 else DataType.integer
+    if pa.types.is_float32(t) or pa.types.is_float16(t):
+        return DataType.float
+    if pa.types.is_floating(t):
+        return DataType.double
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return DataType.string
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return DataType.binary
+    if pa.types.is_timestamp(t) or pa.types.is_date(t):
+        return DataType.datetime
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        inner = _mlflow_type(t.value_type)
+        return Array(inner) if inner is not None else None
+    if pa.types.is_map(t) and pa.types.is_string(t.key_type):
+        inner = _mlflow_type(t.item_type)
+        return Map(inner) if inner is not None else None
+    return None
+
+
+def _mlflow_schema(schema: pa.Schema | None) -> Any:
+    if schema is None:
+        return None
+    from mlflow.types.schema import ColSpec, Schema
+
+    cols = []
+    for f in schema:
+        t = _mlflow_type(f.type)
+        if t is not None:
+            cols.append(ColSpec(t, f.name, required=not f.nullable))
+    return Schema(cols) if cols else None
+
+
+@functools.cache
+def _dataset_classes() -> tuple[type, type]:
+    """MLflow's dataset classes for flywheel data, built once on first use (MLflow is imported lazily)."""
+    from mlflow.data.dataset_source import DatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+
+    class FlywheelSource(DatasetSource):
+        """Where a flywheel dataset lives: an entity of the event store (and its artifact)."""
+
+        def __init__(self, fields: Mapping[str, Any]):
+            self._fields = dict(fields)
+
+        @staticmethod
+        def _get_source_type() -> str:
+            return _SOURCE_TYPE
+
+        def load(self, **kwargs: Any) -> Any:
+            raise NotImplementedError("read flywheel datasets with flywheel (the artifact store), not MLflow")
+
+        @staticmethod
+        def _can_resolve(raw_source: Any) -> bool:
+            return False
+
+        @classmethod
+        def _resolve(cls, raw_source: Any) -> Any:
+            raise NotImplementedError
+
+        def to_dict(self) -> dict[str, Any]:
+            return dict(self._fields)
+
+        @classmethod
+        def from_dict(cls, source_dict: dict[str, Any]) -> Any:
+            return cls(source_dict)
+
+    class FlywheelDataset(MetaDataset):
+        """Metadata only (the data stays in flywheel's artifact store), with the row count as profile."""
+
+        def __init__(self, source: Any, name: str, digest: str, schema: Any, rows: int):
+            self._rows = int(rows)
+            super().__init__(source=source, name=name, digest=digest, schema=schema)
+
+        @property
+        def profile(self) -> dict[str, int]:
+            return {"num_rows": self._rows}
+
+        def to_dict(self) -> dict[str, str]:
+            d = super().to_dict()
+            d["profile"] = json.dumps(self.profile)
+            return d
+
+    return FlywheelSource, FlywheelDataset
+
+
+def mlflow_dataset(spec: DatasetSpec) -> Any:
+    """The ``mlflow.data`` dataset of ``spec`` (a metadata-only dataset with a ``flywheel`` source)."""
+    source_cls, dataset_cls = _dataset_classes()
+    source = source_cls({"entity_id": spec.entity_id, **spec.source})
+    return dataset_cls(source, spec.name or spec.entity_id, spec.digest[:_DIGEST_MAX], _mlflow_schema(spec.schema),
+                       spec.rows)
+
+
+def public_uri(uri: str) -> str:
+    """``uri`` without user/password (safe to print, tag or publish)."""
+    parts = urlsplit(uri)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        if parts.port:
+            host += f":{parts.port}"
+        return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+    return uri
 
 
 def _quiet_mlflow() -> None:
@@ -80,6 +240,22 @@ class RunHandle:
 
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         self._client.log_dict(self.run_id, obj, artifact_file)
+
+    def log_table(self, rows: Sequence[Mapping[str, Any]], artifact_file: str, *, columns: Sequence[str]) -> None:
+        """A table artifact (``mlflow.log_table``: JSON the MLflow UI shows as a table), one row per
+        mapping, in ``columns`` order (an empty table keeps its columns)."""
+        self._client.log_table(self.run_id, {c: [r.get(c) for r in rows] for c in columns}, artifact_file)
+
+    def log_datasets(self, datasets: Sequence[DatasetSpec]) -> None:
+        """Record ``datasets`` as the run's dataset inputs, each with its context tag."""
+        if not datasets:
+            return
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        inputs = [DatasetInput(mlflow_dataset(d)._to_mlflow_entity(), tags=[InputTag(MLFLOW_DATASET_CONTEXT, d.context)])
+                  for d in datasets]
+        self._client.log_inputs(self.run_id, datasets=inputs)
 
 
 class Tracker:
@@ -153,6 +329,48 @@ class Tracker:
     def get_run(self, run_id: str) -> Any:
         return self.client.get_run(run_id)
 
+    def log_gate_evidence(
+        self,
+        run: RunHandle,
+        *,
+        model: str,
+        version: int,
+        items: Sequence[Mapping[str, Any]],
+        rules: Sequence[Mapping[str, Any]],
+        datasets: Sequence[DatasetSpec],
+        version_tags: Mapping[str, Any],
+    ) -> None:
+        """What a reviewer needs beside the model, in MLflow: ``gate_items.json`` (one row per paired
+        held-out item: ``item``, ``slice``, ``champion_pass``, ``challenger_pass``, ``change``),
+        ``gate_rules.json`` (``rule``, ``passed``, ``value``, ``threshold``, ``reason``), the suites
+        as ``evaluation`` inputs of ``run``, and ``version_tags`` on ``model``/``version``."""
+        run.log_table(items, "gate_items.json", columns=("item", "slice", "champion_pass", "challenger_pass", "change"))
+        run.log_table([{**r, "value": None if r.get("value") is None else str(r["value"]),
+                        "threshold": None if r.get("threshold") is None else str(r["threshold"])} for r in rules],
+                      "gate_rules.json", columns=("rule", "passed", "value", "threshold", "reason"))
+        run.log_datasets(datasets)
+        self.set_model_version_tags(model, version, version_tags)
+
+    # -- traces (MLflow Tracing) ------------------------------------------------------------------
+    def find_experiment(self, name: str) -> str | None:
+        """The id of experiment ``name`` (never creates one)."""
+        exp = self.client.get_experiment_by_name(name)
+        return None if exp is None else str(exp.experiment_id)
+
+    def iter_traces(self, experiment_id: str, *, since_ms: int | None = None, page_size: int = 100) -> Iterator[dict[str, Any]]:
+        """Every trace of the experiment (spans included) as ``Trace.to_dict()``, oldest first, from
+        ``since_ms`` (epoch milliseconds, inclusive) on; one server request per ``page_size`` traces."""
+        flt = f"attributes.timestamp_ms >= {int(since_ms)}" if since_ms is not None else None
+        token = None
+        while True:
+            page = self.client.search_traces(locations=[experiment_id], filter_string=flt, max_results=page_size,
+                                             order_by=["timestamp_ms ASC"], page_token=token)
+            for trace in page:
+                yield trace.to_dict()
+            token = page.token
+            if not token:
+                return
+
     # -- model registry ------------------------------------------------------------------------
     def register_model(
         self,
@@ -177,6 +395,18 @@ class Tracker:
             name, source=source, run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()}
         )
         return int(mv.version)
+
+    def set_model_version_tags(self, name: str, version: int, tags: Mapping[str, Any]) -> None:
+        for k, v in tags.items():
+            self.client.set_model_version_tag(name, str(version), str(k), str(v)[:_TAG_MAX])
+
+    def model_version_link(self, name: str, version: int) -> str:
+        """Where a person opens the version: the MLflow UI page on a tracking server, else the
+        ``models:/`` URI (a local store has no UI until ``mlflow ui`` is started on it)."""
+        uri = public_uri(self.tracking_uri)
+        if uri.startswith(("http://", "https://")):
+            return f"{uri.rstrip('/')}/#/models/{quote(name)}/versions/{int(version)}"
+        return f"models:/{name}/{int(version)}"
 
     def set_alias(self, name: str, alias: str, version: int) -> None:
         self.client.set_registered_model_alias(name, alias, str(version))

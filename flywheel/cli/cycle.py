@@ -144,6 +144,11 @@ def print_cycle_summary(result: dict) -> None:
         rows.append(("gate", head + (": " + "; ".join(g.get("reasons") or []) if g.get("reasons") else "")))
     rows.append(("outcome", f"{result.get('outcome')}: {result.get('reason')}"))
     rows.append(("wall time", f"{result.get('wall_s')} s"))
+    published = result.get("published") or {}
+    if published.get("report"):
+        rows.append(("report", str(published["report"])))
+    if published.get("summary"):
+        rows.append(("Prefect artifacts", f"{published['summary']}, {published.get('stages')}"))
     print_table(f"cycle {result.get('cycle')}", ["stage", "result"], rows)
     from flywheel.cycle import sandbox_warning
 

@@ -55,6 +55,11 @@ def ingest(
     dry_run: bool = typer.Option(False, "--dry-run", help="Report what would be captured per trace (messages, "
                                  "tools, tool calls, errors) and what would be quarantined; store nothing."),
     limit: int = typer.Option(50, "--limit", help="With --dry-run: rows shown per table (--json lists all)."),
+    source: str = typer.Option(None, "--from", help="Read traces from a service instead of files: 'mlflow' "
+                               "(MLflow Tracing on the configured tracking server, mlflow_tracking_uri)."),
+    experiment: str = typer.Option(None, "--experiment", help="With --from mlflow: the MLflow experiment name."),
+    since: str = typer.Option(None, "--since", help="With --from mlflow: only traces started at or after this "
+                              "time (ISO 8601, e.g. 2026-11-30T00:00:00Z, or epoch milliseconds)."),
     home: str = HomeOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
@@ -72,8 +77,17 @@ def ingest(
     from flywheel.ingest import replay_quarantine as replay
     from flywheel.store import open_store
 
-    if not paths and not replay_quarantine:
-        raise CliError("give at least one PATH, or --replay-quarantine")
+    if source is not None:
+        if source != "mlflow":
+            raise CliError(f"--from must be 'mlflow' (got {source!r})")
+        if paths or replay_quarantine:
+            raise CliError("--from mlflow reads traces from MLflow: give no PATH and no --replay-quarantine with it")
+        if not experiment:
+            raise CliError("--from mlflow needs --experiment NAME")
+    elif experiment or since:
+        raise CliError("--experiment and --since go with --from mlflow")
+    if not paths and not replay_quarantine and source is None:
+        raise CliError("give at least one PATH, --from mlflow, or --replay-quarantine")
     if fmt not in ("auto", "openai", "otel", "bfcl"):
         raise CliError(f"--format must be auto, openai, otel or bfcl (got {fmt!r})")
     cfg = load(home, config, {"ingest": {"batch_size": batch_size}} if batch_size else None)
@@ -96,7 +110,13 @@ def ingest(
                        total=p["bytes_total"] or None, rate=f"{p['records']:,} records, {rate:,.0f} rec/s")
 
         try:
-            if replay_quarantine:
+            if source == "mlflow":
+                from flywheel.ingest.mlflow_source import ingest_mlflow
+                from flywheel.tracking import Tracker
+
+                summary = ingest_mlflow(cfg, store, artifacts, Tracker(cfg), experiment, since=since,
+                                        correlation_id=correlation_id, progress=report)
+            elif replay_quarantine:
                 summary = replay(cfg, store, artifacts, correlation_id=correlation_id, progress=report)
                 if paths:
                     more = ingest_paths(cfg, store, artifacts, list(paths), fmt=fmt, correlation_id=correlation_id,

@@ -31,6 +31,7 @@ import pyarrow as pa
 
 from flywheel.classify import classify, failure_identity, last_assistant_index
 from flywheel.ingest import formats
+from flywheel.ingest.mlflow_traces import mlflow_to_trace
 from flywheel.ingest.otlp import Assembler
 from flywheel.ingest.reader import Line
 from flywheel.ingest.validate import Limits, validate
@@ -369,8 +370,8 @@ class Preparer:
             return
         if self.fmt == "openai":
             self._accept(b, line, obj, needs_redaction, seen)
-        elif self.fmt == "bfcl":
-            rec, prob = self.bfcl.to_trace(obj)  # type: ignore[union-attr]
+        elif self.fmt in ("bfcl", "mlflow"):
+            rec, prob = self.bfcl.to_trace(obj) if self.bfcl else mlflow_to_trace(obj)
             if prob:
                 self._quarantine(b, line, prob[0], prob[1])
             else:

@@ -29,7 +29,7 @@ _TOP_KEYS = frozenset(
     {"trace_id", "timestamp", "model", "messages", "tools", "outcome", "correction", "metadata", "source", "source_id"}
 )
 _REQUIRED = ("trace_id", "timestamp", "model", "messages", "outcome")
-SOURCES = frozenset({"openai", "otel", "bfcl"})
+SOURCES = frozenset({"openai", "otel", "bfcl", "mlflow"})
 
 Problem = tuple[str, str]
 

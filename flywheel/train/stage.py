@@ -22,6 +22,7 @@ sources (SFT: eval/synth/trace ids) plus the base model's entity id (``model:<na
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -32,6 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
+from flywheel.store import canonical_json
+from flywheel.tracking import DatasetSpec
 from flywheel.train.sft import Demonstration
 
 ADAPTER_MARKER = "adapter_config.json"
@@ -130,6 +135,7 @@ def _train_and_register(
     cfg: Any, store: Any, tracker: Any, *, mode: str, base: str, consumes: list[str], model: Any, tokenizer: Any,
     base_spec: str, options: Any, steps: int, step_batches: Callable[[Any], Any],
     on_step: Callable[[int, dict[str, float]], None] | None, extra_params: dict[str, Any], run_payload: dict[str, Any],
+    datasets: list[DatasetSpec],
 ) -> TrainResult:
     from flywheel.store import NewEvent
     from flywheel.train.trainer import Trainer
@@ -154,6 +160,8 @@ def _train_and_register(
             **{f"objective.{k}": v for k, v in options.loss_config.model_dump().items()},
             **extra_params,
         })
+        run.log_datasets(datasets)
+        logged = len(datasets)
         t0 = time.perf_counter()
         for batch in step_batches(trainer):
             m = trainer.step(batch)
@@ -163,6 +171,7 @@ def _train_and_register(
             if on_step is not None:
                 on_step(m.step, flat)
         wall = time.perf_counter() - t0
+        run.log_datasets(datasets[logged:])  # rollouts sampled by later GRPO iterations
         summary = _summary(history, wall)
         run.log_metrics({f"final.{k}": v for k, v in summary.items()}, step=len(history))
         tmp = Path(tempfile.mkdtemp(prefix="flywheel-train-", dir=cfg.home))
@@ -205,6 +214,32 @@ def _summary(history: list[dict[str, float]], wall: float) -> dict[str, float]:
     out["tokens_per_s"] = tokens / max(sum(h["seconds"] for h in history), 1e-9)
     out["wall_s"] = wall
     return out
+
+
+# -- MLflow dataset inputs ---------------------------------------------------------------------------
+
+
+def rollouts_dataset(entity_id: str, table: Any, payload: dict[str, Any]) -> DatasetSpec:
+    """A published rollout dataset as a ``training`` input: digest = its Parquet artifact's sha256 (for
+    rollouts sampled during training, which carry no payload here: the id, itself a hash of the inputs)."""
+    sha = (payload.get("artifact") or {}).get("sha256") or ""
+    source = {"artifact": f"sha256:{sha}"} if sha else {}
+    return DatasetSpec(entity_id, "training", sha[:16] or entity_id.split(":", 1)[-1][:16], table.num_rows,
+                       schema=table.schema, source={**source, "envs": payload.get("env_ids"), "policy": payload.get("policy")})
+
+
+def demonstrations_dataset(demos: Sequence[Demonstration], sources: Sequence[str]) -> DatasetSpec:
+    """SFT demonstrations as a ``demonstrations`` input, named ``demonstrations@<digest>``: the digest
+    hashes every demonstration (conversation, tools, answer, source), the source lists the
+    event-store entities they came from (the same ids as the run's causation, at most 200)."""
+    rows = [{"source_entity_id": d.source_entity_id, "split": d.split, "messages": canonical_json(d.messages),
+             "tools": canonical_json(d.tools or []),
+             "answer": canonical_json([[c.name, c.arguments] for c in d.answer_calls] if d.answer_calls
+                                      else d.answer_content)} for d in demos]
+    schema = pa.schema([(k, pa.string()) for k in ("source_entity_id", "split", "messages", "tools", "answer")])
+    digest = hashlib.sha256(canonical_json(rows).encode()).hexdigest()[:16]
+    return DatasetSpec(f"demonstrations@{digest}", "demonstrations", digest, len(rows), schema=schema,
+                       source={"entity_ids": list(sources)[:200], "entities": len(sources)})
 
 
 # -- GRPO -------------------------------------------------------------------------------------------
@@ -253,6 +288,7 @@ def train_grpo(
         )[0]
 
     samples, stats_list = [], []
+    datasets = [rollouts_dataset(eid, table, payload) for eid, table, payload in tables]
     for eid, table, _ in tables:
         s, st = samples_from_rollouts(table, scale=cfg.rollout.advantage, objective=cfg.train.objective,
                                       max_completion_len=cfg.rollout.max_new_tokens, source=eid)
@@ -275,6 +311,7 @@ def train_grpo(
                 meta = (table.schema.metadata or {}).get(b"flywheel.entity_id")
                 if meta:
                     consumes.append(meta.decode())
+                    datasets.append(rollouts_dataset(meta.decode(), table, {}))
                 current = to_samples(table)
                 if not current:
                     continue
@@ -287,7 +324,7 @@ def train_grpo(
         base_spec=base_spec, options=opts, steps=n_steps, step_batches=step_batches, on_step=on_step,
         extra_params={"iterations": iterations, "advantage": cfg.rollout.advantage, "batch_size": cfg.train.batch_size,
                       "rollout_rows": sum(s["rows"] for s in stats_list)},
-        run_payload={"rollouts": consumes, "rollout_stats": stats_list},
+        run_payload={"rollouts": consumes, "rollout_stats": stats_list}, datasets=datasets,
     )
 
 
@@ -335,6 +372,7 @@ def train_sft(
         base_spec=base_spec, options=opts, steps=n_steps, step_batches=step_batches, on_step=on_step,
         extra_params={"demonstrations": len(demonstrations), "batch_size": cfg.train.batch_size},
         run_payload={"demonstrations": len(demonstrations), "sources": len(sources)},
+        datasets=[demonstrations_dataset(demonstrations, sources)],
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,14 +123,15 @@ class ServerProcess:
             self._log_fh.close()
 
 
-def start_prefect_server(tmp: Path, *, timeout_s: float = 120.0) -> ServerProcess:
-    """``prefect server start`` (API only, no UI, no telemetry) with its own PREFECT_HOME under tmp."""
+def start_prefect_server(tmp: Path, *, timeout_s: float = 120.0, ui: bool = False) -> ServerProcess:
+    """``prefect server start`` (no telemetry; the web UI only with ``ui``) with its own PREFECT_HOME under tmp."""
     port = free_port()
     home = tmp / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
-    env = clean_env(PREFECT_HOME=str(home))
+    # The web UI asks the API at PREFECT_UI_API_URL, which defaults to port 4200, not the one bound here.
+    env = clean_env(PREFECT_HOME=str(home), PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api")
     srv = ServerProcess("prefect server", [str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1",
-                                          "--port", str(port), "--no-ui", "--analytics-off"],
+                                          "--port", str(port), *(() if ui else ("--no-ui",)), "--analytics-off"],
                         port=port, health_path="/api/health", env=env, log=tmp / "prefect-server.log", cwd=tmp)
     try:
         srv.wait_healthy(timeout_s)
@@ -162,7 +164,8 @@ def start_mlflow_server(tmp: Path, *, timeout_s: float = 120.0) -> ServerProcess
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    srv = start_prefect_server(tmp_path_factory.mktemp("prefect-server"))
+    # With its web UI: tests/integration/test_real_servers.py screenshots the flow run's artifacts.
+    srv = start_prefect_server(tmp_path_factory.mktemp("prefect-server"), ui=True)
     try:
         yield srv
     finally:
@@ -304,6 +307,36 @@ def run_cycle_subprocess(home: Path, traces: list[str], *, env: dict[str, str], 
         raise
 
 
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+
+
+def screenshot(tmp: Path, name: str, url: str, expected: str, *, width: int = 1400, height: int = 1000,
+               budget_ms: int = 20_000) -> Path:
+    """Render ``url`` in headless Chromium: its DOM after the page's scripts ran (``budget_ms`` of
+    virtual time; network waits do not consume it) must contain ``expected``; then a PNG
+    ``<tmp>/<name>.png``, copied to ``$FLYWHEEL_SCREENSHOTS`` when that is set (the docs' images).
+    Skips the test where Chromium is not installed."""
+    if CHROMIUM is None:
+        pytest.skip("headless Chromium is not installed (Debian package `chromium`; .ci/run installs it)")
+    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-extensions",
+            f"--window-size={width},{height}", f"--virtual-time-budget={budget_ms}",
+            f"--user-data-dir={tmp / 'chromium-profile'}"]
+    dom = subprocess.run([*argv, "--dump-dom", url], capture_output=True, text=True, timeout=300,
+                         stdin=subprocess.DEVNULL)
+    assert expected in dom.stdout, (f"{name}: {expected!r} is not on the rendered page {url} "
+                                    f"(exit {dom.returncode}):\n{dom.stdout[-2000:]}\n{dom.stderr[-2000:]}")
+    png = tmp / f"{name}.png"
+    shot = subprocess.run([*argv, f"--screenshot={png}", url], capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+    assert png.is_file() and png.stat().st_size > 10_000, f"{name}: no screenshot of {url}: {shot.stderr[-2000:]}"
+    out = os.environ.get("FLYWHEEL_SCREENSHOTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(png, Path(out) / png.name)
+    return png
+
+
 @pytest.fixture(scope="session")
 def it():
     """The helpers of this file for test modules (conftest modules are not importable by name)."""
@@ -312,5 +345,6 @@ def it():
     return types.SimpleNamespace(
         TINY=TINY, ROOT=ROOT, VENV_BIN=VENV_BIN, free_port=free_port, clean_env=clean_env, kill_group=kill_group,
         bfcl_traffic=bfcl_traffic, CycleProcess=CycleProcess, run_cycle_subprocess=run_cycle_subprocess,
-        start_prefect_server=start_prefect_server, start_mlflow_server=start_mlflow_server,
+        start_prefect_server=start_prefect_server, start_mlflow_server=start_mlflow_server, ServerProcess=ServerProcess,
+        screenshot=screenshot,
     )

@@ -76,6 +76,11 @@ def test_train_grpo_registers_challenger_and_records_lineage(cfg, store, tiny_di
     run = tracker.get_run(res.mlflow_run_id)
     assert "loss" in run.data.metrics and "grad_norm" in run.data.metrics
     assert run.data.tags["flywheel.input.0"] == rid
+    # MLflow's own lineage: the run's dataset input is the rollout dataset, by entity id and digest.
+    (di,) = run.inputs.dataset_inputs
+    sha = store.entity(rid)["state"]["artifact"]["sha256"]
+    assert di.dataset.name == rid and di.dataset.digest == sha[:16] and di.dataset.source_type == "flywheel"
+    assert {t.key: t.value for t in di.tags}["mlflow.data.context"] == "training"
 
     # Continue training from the registered LoRA version: its adapter is loaded and trained further.
     res2 = train_grpo(cfg, store, artifacts, tracker, [rid], base=res.model_entity, steps=1)
