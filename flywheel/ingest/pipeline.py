@@ -50,8 +50,10 @@ Not guaranteed
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
+import sys
 import threading
 import time
 import zlib
@@ -215,6 +217,24 @@ def _whole_document(path: Path, max_line_bytes: int) -> bytes | None:
     if len(data) > max_line_bytes:
         raise IngestError(f"{path}: a multi-line JSON document larger than ingest.max_line_bytes; write JSON Lines")
     return data
+
+
+def _record_bytes(x: Any) -> bytes:
+    """One element of a JSON array document as a JSON line, for the per-record path. orjson refuses
+    what the fallback parser accepted (lone surrogates, integers beyond 64 bits, > 255 levels): the
+    standard library writes those back as they were written (``\\ud800`` escapes, all digits), so
+    the record meets the same per-record checks as it would on a line of its own. Its recursion
+    limit is raised for the call: the element was parsed, so it is at most ~1,000 levels deep."""
+    try:
+        return orjson.dumps(x)
+    except (TypeError, ValueError):
+        pass
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 5000))
+    try:
+        return json.dumps(x, ensure_ascii=True).encode()
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 class _Committer:
@@ -474,8 +494,10 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
     if fmt == "auto":
         if doc is not None:
             obj, _ = formats.parse_json(doc)
-            fmt = "openai" if isinstance(obj, list) and (not obj or "bfcl_id" not in obj[0]) else formats.detect_format(
-                obj[0] if isinstance(obj, list) and obj else obj)
+            # An array of records is OpenAI format unless its first record is a BFCL replay record.
+            fmt = formats.detect_format(obj[0] if isinstance(obj, list) and obj else obj)
+            if isinstance(obj, list) and fmt != "bfcl":
+                fmt = "openai"
         else:
             fmt = _sniff_format(path, max_line) if size else "openai"
     done = 0
@@ -504,7 +526,7 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
         if doc is not None:
             obj, prob = formats.parse_json(doc)
             if prob is None and isinstance(obj, list):
-                lines: Iterator[Line] = iter([Line(i + 1, orjson.dumps(x)) for i, x in enumerate(obj)])
+                lines: Iterator[Line] = iter([Line(i + 1, _record_bytes(x)) for i, x in enumerate(obj)])
             else:
                 lines = iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
         else:
