@@ -229,8 +229,12 @@ class Preparer:
     # quarantine ---------------------------------------------------------------------------------
     def _quarantine(self, b: Batch, line: Line, reason: str, detail: str, replayable: bool = True) -> None:
         raw = line.data.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
-        raw = self.redactor.text(raw)
-        detail = self.redactor.text(utf8_safe(detail))
+        try:
+            raw = self.redactor.raw(raw)
+            detail = self.redactor.text(utf8_safe(detail))
+        except Exception as e:  # noqa: BLE001 - quarantining must not fail; unchecked text is never kept
+            raw, replayable = f"[raw text withheld: its redaction raised {type(e).__name__}]", False
+            detail = utf8_safe(detail.split(":", 1)[0])
         b.quarantine.append({
             "file": self.file_name, "file_sha256": self.file_sha, "line": line.lineno, "format": self.fmt,
             "reason": reason, "detail": detail[:1000], "raw": raw, "raw_bytes": line.oversize or len(line.data),

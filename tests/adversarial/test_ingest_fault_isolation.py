@@ -398,3 +398,19 @@ def test_finding6_fuzz_arbitrary_json_in_every_field(cfg, store, arts, tmp_path,
     # at ~0.25 s a batch on a busy 2-core machine it would be two thirds of each example's time.
     monkeypatch.setattr(pl._Committer, "gx", lambda self, b, kept: None)
     _fuzz(cfg, store, arts, tmp_path, fmt, examples={"openai": 150, "otel": 100, "bfcl": 80}[fmt])
+
+
+def test_finding6_quarantining_never_fails_and_never_keeps_unredacted_text(cfg, store, arts, tmp_path, monkeypatch):
+    """If even the redaction of the quarantined line raises, the record is still quarantined (its
+    raw text withheld, not stored unchecked) and the file goes on."""
+    import flywheel.ingest.prepare as prep
+    from flywheel.redact import Redactor
+
+    monkeypatch.setattr(prep, "classify", _raise_for("boom", prep.classify))
+    monkeypatch.setattr(Redactor, "raw", _raise_for("boom", Redactor.raw))
+    lines = [_trace("good-1"), _trace("boom", metadata={"mail": "jane@example.com"}), _trace("good-2")]
+    s = ingest_paths(cfg, store, arts, [_write(tmp_path / "f.jsonl", lines)])
+    assert s.quarantined_by_reason == {"internal_error": 1} and s.ingested == 2
+    (row,) = _quarantined(store, arts)
+    assert row["raw"].startswith("[raw text withheld") and not row["replayable"]
+    assert "jane@example.com" not in str(row)
