@@ -40,6 +40,7 @@ from flywheel.cycle import (
     new_failures_since_last_cycle,
     summarize,
 )
+from flywheel.deploy import reconcile_champion
 from flywheel.store import NewEvent
 
 # The resources of the running cycle (one writer connection per process): set by the flow, read by
@@ -307,7 +308,7 @@ def flywheel_cycle(
         # 4. rollouts from the champion
         tracker = _R.tracker
         name = cfg.cycle.model_name
-        champion = tracker.get_alias_version(name, "champion")
+        champion = reconcile_champion(store, tracker, name).champion  # an interrupted promotion is completed
         champion_ref = f"model:{name}/{champion}" if champion is not None else f"base:{cfg.policy.base_model}"
         _report("rollouts", status="running", policy=champion_ref)
         roll = rollout_stage(K("rollouts", env=env_id, policy=champion_ref, rollout=cfg.rollout.model_dump()),

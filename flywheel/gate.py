@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from flywheel.deploy import reconcile_champion
+
 # Rows of the bootstrap index matrix drawn per call: bounds memory at ~32 MiB of int64 indices
 # (4,194,304 entries) whatever the suite size. Part of the algorithm's definition (see
 # paired_bootstrap): the draws depend on it only when a suite has more than 2,097 items.
@@ -656,6 +658,7 @@ def run_gate(
     except Exception as e:
         raise GateError(f"model:{name}/{version} is not a registered model version: {e}") from None
     challenger = ModelRef.registered(name, version)
+    reconcile_champion(store, tracker, name)  # complete an interrupted promotion before comparing with it
     champion = _champion_ref(cfg, tracker, version)
 
     suite_obj = resolve_suite(store, artifacts, suite if suite is not None else cfg.cycle.heldout_suite)
