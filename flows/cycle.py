@@ -17,6 +17,9 @@ Prefect). Entrypoint for deployments: ``flows/cycle.py:flywheel_cycle``.
   of the cycle carries the flow run id as its correlation id.
 - Early exit: a cycle with no new failures since the last completed cycle, or no learning signal,
   ends early and says why in ``cycle.completed``.
+- Sandbox: ``stages["sandbox"]`` (recorded in ``cycle.completed``) is the isolation sandboxed verifiers
+  got on this machine (:func:`flywheel.sandbox.isolation_report`); the CLI summary warns loudly when
+  it is weak or incomplete.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from flywheel.cycle import (
     summarize,
 )
 from flywheel.deploy import reconcile_champion
+from flywheel.sandbox import isolation_report
 from flywheel.store import NewEvent
 
 # The resources of the running cycle (one writer connection per process): set by the flow, read by
@@ -252,14 +256,22 @@ def flywheel_cycle(
     _R = CycleResources.open(cfg)
     store = _R.store
     stages: dict[str, Any] = {}
+    timings: dict[str, float] = {}  # wall seconds per stage, in the order they ran
     outputs: list[str] = []
-    result: dict[str, Any] = {"cycle": cycle_id, "stages": stages}
+    result: dict[str, Any] = {"cycle": cycle_id, "stages": stages, "timings": timings}
+
+    def timed(stage: str, fn: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            timings[stage] = round(timings.get(stage, 0.0) + time.perf_counter() - t0, 1)
 
     def finish(outcome: str, reason: str) -> dict[str, Any]:
         result.update(outcome=outcome, reason=reason, wall_s=round(time.perf_counter() - t_start, 1))
         store.append(cycle_id, NewEvent("cycle.completed", {
             "entity_id": cycle_id, "outcome": outcome, "reason": reason, "stages": stages,
-            "wall_s": result["wall_s"],
+            "wall_s": result["wall_s"], "timings": timings,
         }, list(dict.fromkeys(outputs))), correlation_id=corr)
         _report("cycle", status="done", outcome=outcome, reason=reason)
         return result
@@ -269,11 +281,12 @@ def flywheel_cycle(
         store.append(cycle_id, NewEvent("cycle.started", {
             "entity_id": cycle_id, "traces": paths, "force": force, "model": cfg.cycle.model_name,
         }), expected_version=0, correlation_id=corr)
+        stages["sandbox"] = isolation_report(cfg.sandbox)
 
         # 1. ingest
         if paths:
             _report("ingest", status="running", files=len(paths))
-            stages["ingest"] = ingest_stage(K("ingest", files=_files_key(paths)), paths, corr)
+            stages["ingest"] = timed("ingest", ingest_stage, K("ingest", files=_files_key(paths)), paths, corr)
             _report("ingest", status="done", **{k: stages["ingest"].get(k) for k in ("read", "ingested", "quarantined")})
         new_failures, last_cycle = new_failures_since_last_cycle(store)
         stages["new_failures"] = new_failures
@@ -283,11 +296,13 @@ def flywheel_cycle(
 
         # 2. evals and environments
         _report("evals", status="running")
-        stages["evals"] = evals_stage(K("evals", watermark=failure_watermark(store),
-                                                 evals=cfg.evals.model_dump()), corr)
+        stages["evals"] = timed("evals", evals_stage, K("evals", watermark=failure_watermark(store),
+                                 evals=cfg.evals.model_dump(), gate=cfg.gate.min_paired_items), corr)
+        for warning in stages["evals"].get("warnings") or []:  # said before any training is spent
+            _report("evals", status="warning", warning=warning)
         _report("envs", status="running")
         suites = {n: latest_version(store, "suite", n) for n in ("train", cfg.cycle.heldout_suite, cfg.cycle.regression_suite)}
-        stages["envs"] = envs_stage(K("envs", suites=suites), corr)
+        stages["envs"] = timed("envs", envs_stage, K("envs", suites=suites), corr)
         env_id = latest_version(store, "env", cfg.cycle.train_env)
         heldout = latest_version(store, "suite", cfg.cycle.heldout_suite)
         if env_id is None:
@@ -300,22 +315,27 @@ def flywheel_cycle(
         # 3. synthetic widening
         if cfg.synth.per_seed > 0 and cfg.synth.generators:
             _report("synth", status="running")
-            stages["synth"] = synth_stage(K("synth", env=env_id, heldout=heldout,
-                                                     synth=cfg.synth.model_dump()), corr)
+            stages["synth"] = timed("synth", synth_stage, K("synth", env=env_id, heldout=heldout,
+                                     synth=cfg.synth.model_dump()), corr)
             env_id = latest_version(store, "env", cfg.cycle.train_env)
             outputs.append(env_id)
 
-        # 4. rollouts from the champion
+        # 4. rollouts from the champion: what GRPO learns from, and what train.mode = auto decides on.
+        # With train.mode = sft they would be sampled and thrown away (the GRPO step samples the SFT
+        # model instead), so they are skipped.
         tracker = _R.tracker
         name = cfg.cycle.model_name
         champion = reconcile_champion(store, tracker, name).champion  # an interrupted promotion is completed
         champion_ref = f"model:{name}/{champion}" if champion is not None else f"base:{cfg.policy.base_model}"
-        _report("rollouts", status="running", policy=champion_ref)
-        roll = rollout_stage(K("rollouts", env=env_id, policy=champion_ref, rollout=cfg.rollout.model_dump()),
-                             champion_ref if champion is not None else cfg.policy.base_model, corr)
-        stages["rollouts"] = roll
-        if roll.get("published"):
-            outputs.append(roll["rollout_id"])
+        roll: dict[str, Any] = {}
+        if cfg.train.mode != "sft":
+            _report("rollouts", status="running", policy=champion_ref)
+            roll = timed("rollouts", rollout_stage, K("rollouts", env=env_id, policy=champion_ref,
+                                                      rollout=cfg.rollout.model_dump()),
+                         champion_ref if champion is not None else cfg.policy.base_model, corr)
+            stages["rollouts"] = roll
+            if roll.get("published"):
+                outputs.append(roll["rollout_id"])
         base = champion_ref if champion is not None else cfg.policy.base_model
 
         # 5. training: SFT warm start when GRPO would learn nothing, then GRPO
@@ -331,7 +351,7 @@ def flywheel_cycle(
         challenger: int | None = None
         if mode == "sft":
             _report("train-sft", status="running", why=why)
-            sft = sft_stage(K("sft", env=env_id, base=base, train=cfg.train.model_dump()), base, corr)
+            sft = timed("train-sft", sft_stage, K("sft", env=env_id, base=base, train=cfg.train.model_dump()), base, corr)
             stages["sft"] = sft
             if "skipped" in sft:
                 return finish("no_signal", f"SFT was needed ({why}) but {sft['skipped']}")
@@ -340,14 +360,14 @@ def flywheel_cycle(
             if cfg.train.steps > 0:
                 # GRPO on top of the SFT model, from its own rollouts.
                 sft_ref = sft["model_entity"]
-                roll2 = rollout_stage(K("rollouts", env=env_id, policy=sft_ref,
-                                                 rollout=cfg.rollout.model_dump()), sft_ref, corr)
+                roll2 = timed("rollouts-after-sft", rollout_stage, K("rollouts", env=env_id, policy=sft_ref,
+                                 rollout=cfg.rollout.model_dump()), sft_ref, corr)
                 stages["rollouts_after_sft"] = roll2
                 st2 = roll2.get("stats") or {}
                 if roll2.get("published") and st2.get("zero_variance_share", 1.0) < 1.0:
                     outputs.append(roll2["rollout_id"])
-                    grpo = grpo_stage(K("grpo", rollouts=[roll2["rollout_id"]], base=sft_ref,
-                                                 train=cfg.train.model_dump()), [roll2["rollout_id"]], sft_ref, corr)
+                    grpo = timed("train-grpo", grpo_stage, K("grpo", rollouts=[roll2["rollout_id"]], base=sft_ref,
+                                 train=cfg.train.model_dump()), [roll2["rollout_id"]], sft_ref, corr)
                     stages["grpo"] = grpo
                     challenger = grpo["model_version"]
                     outputs.append(grpo["model_entity"])
@@ -357,22 +377,25 @@ def flywheel_cycle(
         else:
             if not roll.get("published"):
                 return finish("no_signal", f"no rollout dataset was published: {roll.get('reason')}")
-            grpo = grpo_stage(K("grpo", rollouts=[roll["rollout_id"]], base=base,
-                                         train=cfg.train.model_dump()), [roll["rollout_id"]], base, corr)
+            grpo = timed("train-grpo", grpo_stage, K("grpo", rollouts=[roll["rollout_id"]], base=base,
+                             train=cfg.train.model_dump()), [roll["rollout_id"]], base, corr)
             stages["grpo"] = grpo
             challenger = grpo["model_version"]
             outputs.append(grpo["model_entity"])
 
         # 6. gate and deploy
-        gate = gate_stage(K("gate", model=f"model:{name}/{challenger}", suite=heldout,
-                                     gate=cfg.gate.model_dump()), challenger, corr)
+        gate = timed("gate", gate_stage, K("gate", model=f"model:{name}/{challenger}", suite=heldout,
+                             gate=cfg.gate.model_dump()), challenger, corr)
         stages["gate"] = gate
         outputs.append(gate["gate_id"])
-        if gate["passed"]:
-            dep = deploy_stage(K("deploy", model=challenger, gate=gate["gate_id"]), challenger,
-                               gate["gate_id"], corr)
+        if gate["outcome"] == "passed":
+            dep = timed("deploy", deploy_stage, K("deploy", model=challenger, gate=gate["gate_id"]), challenger,
+                        gate["gate_id"], corr)
             stages["deploy"] = dep
             return finish("promoted", f"model:{name}/{challenger} passed the gate and is the new champion")
+        if gate["outcome"] == "insufficient_evidence":
+            return finish("insufficient_evidence", f"model:{name}/{challenger} was not promoted: insufficient "
+                          "evidence (the champion stays): " + "; ".join(gate["reasons"]))
         return finish("refused", f"model:{name}/{challenger} was refused by the gate: " + "; ".join(gate["reasons"]))
     except BaseException as e:
         _report("cycle", status="failed", error=f"{type(e).__name__}: {e}")

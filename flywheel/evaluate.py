@@ -17,6 +17,15 @@ immutable in MLflow, which is what makes the cache key sound. Not cached across 
 (the hash covers every decoding knob) or harness code changes (not covered: bump the suite version
 or delete the event's artifact to force a re-run).
 
+Item reuse across suite versions: a held-out suite grows version by version (new items join, none
+leave or change), and the same model is evaluated on each version (the challenger of one night is
+the champion of the next). An item whose *task record* (hash in ``task_hash``) was already evaluated
+for the same model and decoding on an earlier version is taken from that evaluation instead of being
+generated again (``reused_items`` in the event); items with an infrastructure error are run again.
+This assumes an item's result depends only on (model, task record, decoding): true for greedy
+decoding up to floating-point differences between batch compositions, which can flip a borderline
+token (rare; not covered).
+
 Infrastructure errors: an item with ``Verdict.infra_error`` on any of its samples is recorded with
 that error and excluded from pass rates here and from both sides of the gate's comparison.
 """
@@ -51,6 +60,7 @@ ITEM_SCHEMA = pa.schema(
         ("origin_failure", pa.string()),
         ("split", pa.string()),
         ("completion", pa.string()),  # first sample's final answer text (truncated), for reports
+        ("task_hash", pa.string()),  # sha256 of the canonical task record: the key of item reuse
     ]
 )
 _COMPLETION_CHARS = 2000
@@ -291,7 +301,40 @@ def item_row(task: Any, episodes: Sequence[Any]) -> dict[str, Any]:
         "origin_failure": opt(md.get("origin_failure")),
         "split": opt(md.get("split")),
         "completion": _episode_text(episodes[0]) if episodes else None,
+        "task_hash": task_hash(task),
     }
+
+
+def task_hash(task: Any) -> str:
+    """SHA-256 of the canonical JSON of a task record (what decides an item's result with the model)."""
+    from flywheel.store import canonical_json
+
+    body = dict(task) if isinstance(task, Mapping) else {k: _get(task, k) for k in ("task_id", "prompt", "verifier",
+                                                                                   "harness", "tool_env", "reference")}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+def _reusable_rows(store: Any, artifacts: Any, ref: ModelRef, decoding: Mapping[str, Any]) -> tuple[dict[tuple[str, str], dict[str, Any]], list[str]]:
+    """Item rows of earlier evaluations of ``ref`` with ``decoding``, keyed by (task id, task hash)."""
+    from flywheel.artifacts import ArtifactError
+
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    sources: list[str] = []
+    for ev in store.read(types="eval.completed"):
+        p = ev.payload
+        if p.get("model") != str(ref) or p.get("decoding") != dict(decoding):
+            continue
+        try:
+            table = artifacts.read_table(p["items"]["sha256"])
+        except ArtifactError:
+            continue  # a missing or corrupt artifact is simply not reused
+        if "task_hash" not in table.column_names:
+            continue  # recorded before item reuse existed
+        sources.append(p["entity_id"])
+        for r in table.to_pylist():
+            if r["infra_error"] is None and r.get("task_hash"):
+                rows.setdefault((r["task_id"], r["task_hash"]), r)
+    return rows, sources
 
 
 def _cached(store: Any, artifacts: Any, evaluation_id: str) -> tuple[dict[str, Any], pa.Table] | None:
@@ -342,7 +385,10 @@ def evaluate_model(
     from flywheel.policy.base import SamplingParams
 
     tasks = list(suite_obj.tasks)
-    if policy is None:
+    hashes = [task_hash(t) for t in tasks]
+    prior, prior_sources = _reusable_rows(store, artifacts, ref, decoding)
+    todo = [i for i, (t, h) in enumerate(zip(tasks, hashes, strict=True)) if (str(_get(t, "task_id")), h) not in prior]
+    if policy is None and todo:
         loader = policy_loader or default_policy_loader(cfg, tracker)
         policy = loader(ref)
     params = SamplingParams(
@@ -351,11 +397,13 @@ def evaluate_model(
     )
     t0 = time.perf_counter()
     # The harness takes sandbox limits, judge endpoint and max_turns from the config by default.
-    episodes = run_episodes(tasks, policy, params, context=context if context is not None else cfg) if tasks else []
+    run = [tasks[i] for i in todo]
+    episodes = run_episodes(run, policy, params, context=context if context is not None else cfg) if run else []
     wall = time.perf_counter() - t0
-    if len(episodes) != len(tasks):
-        raise EvaluationError(f"harness returned {len(episodes)} episode groups for {len(tasks)} tasks of {suite_id}")
-    rows = [item_row(t, eps) for t, eps in zip(tasks, episodes, strict=True)]
+    if len(episodes) != len(run):
+        raise EvaluationError(f"harness returned {len(episodes)} episode groups for {len(run)} tasks of {suite_id}")
+    fresh = {i: item_row(tasks[i], eps) for i, eps in zip(todo, episodes, strict=True)}
+    rows = [fresh[i] if i in fresh else prior[(str(_get(t, "task_id")), hashes[i])] for i, t in enumerate(tasks)]
     table = pa.Table.from_pylist(rows, schema=ITEM_SCHEMA)
     ref_art = artifacts.put_table(table)
     result = EvalResult(evaluation_id, ref, suite_id, decoding, table, ref_art.to_dict(), cached=False, wall_s=wall)
@@ -378,6 +426,8 @@ def evaluate_model(
         "infra_errors": s["infra_errors"],
         "nondeterministic": s["nondeterministic"],
         "wall_s": round(wall, 3),
+        "reused_items": len(tasks) - len(todo),
+        "reused_from": prior_sources[:20] if len(todo) < len(tasks) else [],
     }
     causation = [c for c in (ref.entity_id, suite_id) if c]
     store.append(evaluation_id, NewEvent("eval.completed", payload, causation), correlation_id=correlation_id)

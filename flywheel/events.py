@@ -34,6 +34,7 @@ CATALOG: dict[str, EventType] = {
         EventType("suite.versioned", "suite", "evals"),
         EventType("env.versioned", "env", "suite versions, synth batches"),
         EventType("synth.batch_accepted", "synth", "env version, seed evals"),
+        EventType("synth.batch_rechecked", "synth", "the held-out suite version it was checked against"),
         EventType("rollouts.published", "rollouts", "env versions, policy model"),
         EventType("training.completed", "run", "rollouts or demonstrations, base model"),
         EventType("model.registered", "model", "training run"),
@@ -41,6 +42,8 @@ CATALOG: dict[str, EventType] = {
         EventType("gate.decided", "gate", "model version, suite version, evaluations"),
         EventType("model.promoted", "deploy", "gate decision"),
         EventType("model.rolled_back", "deploy", "the user"),
+        EventType("adapter.loaded", "serve", "an API call to a running server (adapter files by sha256)"),
+        EventType("adapter.unloaded", "serve", "an API call, or the served base model changing"),
         EventType("cycle.started", "cycle", "schedule or user"),
         EventType("cycle.stage_completed", "cycle", "the stage's outputs"),
         EventType("cycle.completed", "cycle", "the stage outputs"),
@@ -63,6 +66,7 @@ ENTITY_KINDS = {
     "evaluation": "an evaluation of a model version on a suite version",
     "gate": "a gate decision",
     "deploy": "a deployment history stream",
+    "serve": "the runtime adapter history of a served model, serve:<model name>",
     "cycle": "one run of the flywheel cycle",
 }
 

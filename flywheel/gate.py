@@ -5,22 +5,40 @@ The statistics and the rules are pure functions of evaluation results (:func:`pa
 constructed results. :func:`run_gate` is the stage: it evaluates both models (cached, see
 :mod:`flywheel.evaluate`), applies the rules, appends one ``gate.decided`` event and writes a report.
 
+Outcomes: ``passed`` (promote), ``refused`` (evidence says no), ``insufficient_evidence`` (too few
+paired items to tell; the champion stays, and the report says how many items the observed effect
+would need). The CLI exits 0, 3 and 4 respectively.
+
 Rules (thresholds from ``[gate]`` in ``flywheel.toml``, :class:`flywheel.config.GateConfig`)
 
-=========================  ================================================================
-``min_pass_rate``          challenger pass rate on the paired held-out items >= the floor.
-``min_improvement``        lower bound of the paired-bootstrap CI of (challenger - champion)
-                           pass rate at ``confidence`` is strictly greater than the threshold.
-                           With the default 0.0 an *equal* model is refused (its CI straddles 0).
-``max_slice_regression``   no slice with at least ``min_slice_size`` paired items drops by more
-                           than this (champion rate - challenger rate).
-``max_regression_failures`` regression suite (successful production traces): the number of
-                           items the champion passes and the challenger fails ("keep passing")
-                           is at most this. Without a champion, every challenger failure counts.
-                           Without a regression suite the rule passes and says so.
+==========================  ===============================================================
+``min_paired_items``        at least this many paired held-out items; below it the outcome is
+                            ``insufficient_evidence`` (unless a blocking rule refuses).
+``significance``            exact one-sided McNemar (sign) test on the discordant items: p <
+                            ``1 - confidence``. 4 wins / 0 losses gives p = 1/16 and is refused
+                            at 95%; 12 wins / 1 loss gives p = 0.0017.
+``min_improvement``         the one-sided ``confidence`` lower bound of (challenger - champion)
+                            pass rate by Newcombe's hybrid score method is strictly greater than
+                            the threshold. With the default 0.0 an *equal* model is refused.
+``min_pass_rate``           challenger pass rate on the paired held-out items >= the floor.
+``max_slice_regression``    no slice with at least ``min_slice_size`` paired items drops by more
+                            than this (champion rate - challenger rate). ``origin:success`` (the
+                            held-out production successes) is a slice: its drop is the keep rate's.
+``max_regression_failures`` regression suite (successful production traces on the train side): the
+                            number of items the champion passes and the challenger fails is at
+                            most this. Without a champion, every challenger failure counts.
+                            Without a regression suite the rule passes and says so.
 ``require_decontaminated``  the challenger's training data was decontaminated against *this*
-                           held-out suite version (see :func:`assess_decontamination`).
-=========================  ================================================================
+                            held-out suite version (see :func:`assess_decontamination`).
+==========================  ===============================================================
+
+Why not the bootstrap: the percentile bootstrap of the paired difference is anti-conservative at the
+sizes held-out suites have (3 wins / 1 loss on 4 items clears a 95% "lower bound > 0" rule). It stays
+in the report as an effect-size estimate. The statistics are in :mod:`flywheel.stats`.
+
+The held-out suite holds production failures *and* successes of the clusters dealt to held-out
+(:mod:`flywheel.evals`), so a challenger that breaks what worked loses items, and the report shows the
+fix rate (held-out failures) and the keep rate (held-out successes) apart.
 
 Pairing: only items scored for both models enter the comparison. An item with an infrastructure
 error on either side (sandbox crash, judge endpoint down: ``Verdict.infra_error``) is excluded from
@@ -44,15 +62,23 @@ from typing import Any
 import numpy as np
 
 from flywheel.deploy import reconcile_champion
-
-# Rows of the bootstrap index matrix drawn per call: bounds memory at ~32 MiB of int64 indices
-# (4,194,304 entries) whatever the suite size. Part of the algorithm's definition (see
-# paired_bootstrap): the draws depend on it only when a suite has more than 2,097 items.
-_BOOTSTRAP_CHUNK_ENTRIES = 1 << 22
+from flywheel.stats import (
+    BootstrapResult,
+    items_needed,
+    min_detectable_improvement,
+    newcombe_paired_interval,
+    paired_bootstrap,
+    sign_test,
+)
 
 
 class GateError(RuntimeError):
-    """The gate could not be evaluated (missing suite, unknown model, ...): an error, not a refusal."""
+    """The gate could not be evaluated (missing suite, unreadable artifact, unknown model, ...): an
+    error, never a refusal and never a pass."""
+
+
+OUTCOMES = ("passed", "refused", "insufficient_evidence")
+POWER = 0.8  # of the "items needed" and "minimum detectable improvement" figures in the report
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,86 +86,77 @@ class GateError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class BootstrapResult:
-    """Paired bootstrap of the difference in pass rate (challenger - champion) on the same items.
+class PairedStats:
+    """Everything measured on the paired held-out items (the methods: :mod:`flywheel.stats`).
 
-    ``wins``: items the challenger passes and the champion fails; ``losses``: the reverse;
-    ``ties``: both pass or both fail. ``lo``/``hi`` are the percentile-method bounds at
-    ``confidence``; NaN when there are no items.
+    ``p_value``: one-sided exact McNemar (sign) test of ``wins`` vs ``losses``. ``lower_bound``: the
+    one-sided Newcombe hybrid-score lower bound of (challenger - champion) at ``confidence``;
+    ``newcombe_lo``/``newcombe_hi``: the two-sided Newcombe interval. ``boot``: the paired
+    percentile bootstrap, an effect-size estimate for the report only. ``mde``: the smallest
+    improvement detectable with 80% power at this size in the most favourable case (no losses);
+    ``mde_observed``: the same at the observed disagreement rate. ``items_needed``: paired items at
+    which the observed win and loss rates would be detected with 80% power (``None`` when the
+    observed effect is no improvement).
     """
 
     n: int
+    both: int
+    wins: int
+    losses: int
+    neither: int
     champion_rate: float
     challenger_rate: float
     diff: float
-    lo: float
-    hi: float
+    p_value: float
     confidence: float
-    samples: int
-    seed: int
-    wins: int
-    losses: int
-    ties: int
+    lower_bound: float
+    newcombe_lo: float
+    newcombe_hi: float
+    boot: BootstrapResult
+    mde: float | None
+    mde_observed: float | None
+    items_needed: int | None
+
+    @property
+    def alpha(self) -> float:
+        return round(1.0 - self.confidence, 12)  # 1 - 0.95 is 0.050000000000000044 in floats
+
+    @property
+    def ties(self) -> int:
+        return self.both + self.neither
 
 
-def paired_bootstrap(
-    champion: Sequence[float] | np.ndarray,
-    challenger: Sequence[float] | np.ndarray,
-    *,
-    samples: int = 2000,
-    confidence: float = 0.95,
-    seed: int = 0,
-) -> BootstrapResult:
-    """Percentile-method paired bootstrap CI for mean(challenger - champion).
-
-    Algorithm (exactly, so that a fixed seed gives fixed bounds):
-    ``d = challenger - champion`` (per item, in {-1, 0, 1} for pass/fail);
-    ``rng = numpy.random.Generator(numpy.random.PCG64(seed))``; resample item indices
-    ``rng.integers(0, n, size=(rows, n))`` in consecutive chunks of
-    ``rows = max(1, 4_194_304 // n)`` until ``samples`` rows are drawn; each row's statistic is
-    ``d[idx].mean()``; the bounds are ``numpy.percentile(stats, [100 * (1 - c) / 2, 100 * (1 + c) / 2])``
-    (linear interpolation, numpy's default). Resampling *pairs* keeps the correlation between the
-    two models on the same item, which is what makes the paired interval much narrower than two
-    independent intervals.
-    """
-    a = np.asarray(champion, dtype=np.float64)
-    b = np.asarray(challenger, dtype=np.float64)
+def paired_stats(
+    champion: Sequence[bool | float], challenger: Sequence[bool | float], *, confidence: float = 0.95,
+    bootstrap_samples: int = 2000, seed: int = 0,
+) -> PairedStats:
+    """The gate's statistics for two aligned pass/fail vectors (one entry per paired item)."""
+    a = np.asarray(champion, dtype=bool)
+    b = np.asarray(challenger, dtype=bool)
     if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"paired_bootstrap needs two 1-D arrays of equal length (got {a.shape} and {b.shape})")
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1 (got {samples})")
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1) (got {confidence})")
-    n = int(a.shape[0])
-    wins = int(np.sum(b > a))
-    losses = int(np.sum(b < a))
-    if n == 0:
-        nan = float("nan")
-        return BootstrapResult(0, nan, nan, nan, nan, nan, confidence, samples, seed, 0, 0, 0)
-    d = b - a
-    rng = np.random.Generator(np.random.PCG64(seed))
-    rows = max(1, _BOOTSTRAP_CHUNK_ENTRIES // n)
-    stats = np.empty(samples, dtype=np.float64)
-    done = 0
-    while done < samples:
-        r = min(rows, samples - done)
-        idx = rng.integers(0, n, size=(r, n))
-        stats[done : done + r] = d[idx].mean(axis=1)
-        done += r
-    lo, hi = np.percentile(stats, [100.0 * (1.0 - confidence) / 2.0, 100.0 * (1.0 + confidence) / 2.0])
-    return BootstrapResult(
-        n=n,
-        champion_rate=float(a.mean()),
-        challenger_rate=float(b.mean()),
-        diff=float(d.mean()),
-        lo=float(lo),
-        hi=float(hi),
-        confidence=confidence,
-        samples=samples,
-        seed=seed,
-        wins=wins,
-        losses=losses,
-        ties=n - wins - losses,
+        raise ValueError(f"paired_stats needs two 1-D arrays of equal length (got {a.shape} and {b.shape})")
+    n = int(a.size)
+    both, wins = int(np.sum(a & b)), int(np.sum(b & ~a))
+    losses, neither = int(np.sum(a & ~b)), int(np.sum(~a & ~b))
+    boot = paired_bootstrap(a.astype(float), b.astype(float), samples=bootstrap_samples,
+                            confidence=confidence, seed=seed)
+    alpha = 1.0 - confidence
+    nan = float("nan")
+    if n:
+        lower, _ = newcombe_paired_interval(both, wins, losses, neither, confidence=confidence, sided="lower")
+        nlo, nhi = newcombe_paired_interval(both, wins, losses, neither, confidence=confidence)
+        discord = (wins + losses) / n
+        mde_obs = min_detectable_improvement(n, alpha, POWER, discordance=discord) if discord > 0 else None
+        needed = items_needed(wins / n, losses / n, alpha, POWER)
+    else:
+        lower = nlo = nhi = nan
+        mde_obs = needed = None
+    return PairedStats(
+        n=n, both=both, wins=wins, losses=losses, neither=neither,
+        champion_rate=float(a.mean()) if n else nan, challenger_rate=float(b.mean()) if n else nan,
+        diff=(wins - losses) / n if n else nan, p_value=sign_test(wins, losses), confidence=confidence,
+        lower_bound=lower, newcombe_lo=nlo, newcombe_hi=nhi, boot=boot,
+        mde=min_detectable_improvement(n, alpha, POWER) if n else None, mde_observed=mde_obs, items_needed=needed,
     )
 
 
@@ -229,6 +246,10 @@ def _fmt(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
+def _fmt4(x: Any) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
+
+
 def rule_min_pass_rate(challenger_rate: float, n: int, threshold: float) -> RuleResult:
     if n == 0:
         return RuleResult("min_pass_rate", False, None, threshold, "no scorable held-out items (all excluded or suite empty)")
@@ -240,16 +261,42 @@ def rule_min_pass_rate(challenger_rate: float, n: int, threshold: float) -> Rule
     )
 
 
-def rule_min_improvement(boot: BootstrapResult, threshold: float) -> RuleResult:
-    if boot.n == 0:
-        return RuleResult("min_improvement", False, None, threshold, "no paired items: the improvement cannot be estimated")
-    ok = boot.lo > threshold
-    pct = f"{boot.confidence:.0%}"
+def rule_min_paired_items(stats: PairedStats, min_items: int) -> RuleResult:
+    """Enough paired items to decide at all; failing it makes the outcome *insufficient evidence*."""
+    ok = stats.n >= min_items
+    if ok:
+        return RuleResult("min_paired_items", True, stats.n, min_items, f"{stats.n} paired items >= {min_items}")
+    need = stats.items_needed
+    if need is not None:
+        more = (f"the observed effect ({stats.wins} wins / {stats.losses} losses) would need about "
+                f"{max(need, min_items)} paired items to show at {POWER:.0%} power")
+    else:
+        more = "the observed effect is no improvement, so more items would not make it pass"
+    return RuleResult("min_paired_items", False, stats.n, min_items,
+                      f"only {stats.n} paired held-out items (< {min_items}): insufficient evidence; {more}")
+
+
+def rule_significance(stats: PairedStats) -> RuleResult:
+    """The exact one-sided sign test on the discordant items rejects "no better" at ``1 - confidence``."""
+    if stats.n == 0:
+        return RuleResult("significance", False, None, stats.alpha, "no paired items: nothing to test")
+    ok = stats.p_value < stats.alpha
     return RuleResult(
-        "min_improvement", ok, boot.lo, threshold,
-        f"{pct} CI of challenger - champion is [{_fmt(boot.lo)}, {_fmt(boot.hi)}] (diff {_fmt(boot.diff)}, "
-        f"{boot.wins} wins / {boot.losses} losses on {boot.n} items); lower bound "
-        + ("exceeds" if ok else "does not exceed")
+        "significance", ok, stats.p_value, stats.alpha,
+        f"exact sign test on {stats.wins} wins / {stats.losses} losses ({stats.n} items): one-sided p = "
+        f"{stats.p_value:.4g} " + ("<" if ok else ">=") + f" {stats.alpha:.4g}",
+    )
+
+
+def rule_min_improvement(stats: PairedStats, threshold: float) -> RuleResult:
+    """The one-sided Newcombe lower bound of (challenger - champion) exceeds ``threshold`` strictly."""
+    if stats.n == 0:
+        return RuleResult("min_improvement", False, None, threshold, "no paired items: the improvement cannot be estimated")
+    ok = stats.lower_bound > threshold
+    return RuleResult(
+        "min_improvement", ok, stats.lower_bound, threshold,
+        f"one-sided {stats.confidence:.0%} lower bound of challenger - champion (Newcombe hybrid score) is "
+        f"{_fmt(stats.lower_bound)} (diff {_fmt(stats.diff)}); it " + ("exceeds" if ok else "does not exceed")
         + f" {_fmt(threshold)}",
     )
 
@@ -303,22 +350,42 @@ def rule_decontaminated(status: DecontaminationStatus, required: bool) -> RuleRe
 class GateEvidence:
     """Everything the rules look at, computed from the two evaluations and lineage."""
 
-    boot: BootstrapResult
+    stats: PairedStats
     slices: tuple[SliceResult, ...]
     regression: RegressionSummary | None
     decontamination: DecontaminationStatus
 
 
-def decide(evidence: GateEvidence, gate_cfg: Any) -> tuple[bool, list[RuleResult]]:
-    """Apply every rule (no short-circuit: the report always shows all of them)."""
+# Rules whose failure says "can't tell yet", not "worse": with too few items the outcome is
+# insufficient evidence unless a blocking rule fails.
+EVIDENCE_RULES = frozenset({"min_paired_items", "significance", "min_improvement"})
+
+
+def decide(evidence: GateEvidence, gate_cfg: Any) -> tuple[str, list[RuleResult]]:
+    """Apply every rule (no short-circuit: the report always shows all of them) and return the
+    outcome, one of :data:`OUTCOMES`:
+
+    - ``refused`` when a blocking rule fails (``min_pass_rate``, ``max_slice_regression``,
+      ``max_regression_failures``, ``require_decontaminated``): evidence of harm needs no large suite;
+    - else ``insufficient_evidence`` when fewer than ``min_paired_items`` items were paired;
+    - else ``passed`` when the exact test is significant and the lower bound clears
+      ``min_improvement``, ``refused`` otherwise.
+    """
+    s = evidence.stats
     rules = [
-        rule_min_pass_rate(evidence.boot.challenger_rate, evidence.boot.n, gate_cfg.min_pass_rate),
-        rule_min_improvement(evidence.boot, gate_cfg.min_improvement),
+        rule_min_paired_items(s, gate_cfg.min_paired_items),
+        rule_significance(s),
+        rule_min_improvement(s, gate_cfg.min_improvement),
+        rule_min_pass_rate(s.challenger_rate, s.n, gate_cfg.min_pass_rate),
         rule_max_slice_regression(evidence.slices, gate_cfg.max_slice_regression, gate_cfg.min_slice_size),
         rule_max_regression_failures(evidence.regression, gate_cfg.max_regression_failures),
         rule_decontaminated(evidence.decontamination, gate_cfg.require_decontaminated),
     ]
-    return all(r.passed for r in rules), rules
+    if any(not r.passed for r in rules if r.rule not in EVIDENCE_RULES):
+        return "refused", rules
+    if not rules[0].passed:
+        return "insufficient_evidence", rules
+    return ("passed" if all(r.passed for r in rules) else "refused"), rules
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,6 +466,9 @@ def item_labels(metadata: Mapping[str, Any], training: Mapping[str, Any] | None)
     labels = [f"kind:{k}" for k in kinds] + [f"tool:{t}" for t in tools]
     if md.get("source"):
         labels.append(f"source:{md['source']}")
+    origin = md.get("origin_outcome") or ("failure" if md.get("origin_failure") else None)
+    if origin in ("failure", "success"):
+        labels.append(f"origin:{origin}")
     if training:
         sigs = training.get("signatures", set())
         if any((k, t) in sigs for k in kinds for t in (tools or [""])):
@@ -466,10 +536,14 @@ def assess_decontamination(
 
 @dataclass
 class GateDecision:
-    """The outcome of one gate run. ``numbers`` holds every measured value and threshold."""
+    """The outcome of one gate run. ``numbers`` holds every measured value and threshold.
+
+    ``outcome`` is one of :data:`OUTCOMES`; ``passed`` is ``outcome == "passed"`` (kept for callers
+    that only need the yes/no).
+    """
 
     gate_id: str
-    passed: bool
+    outcome: str
     reasons: list[str]
     rules: list[RuleResult]
     numbers: dict[str, Any]
@@ -480,6 +554,14 @@ class GateDecision:
     suite: str = ""
     cached: bool = False
 
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"gate outcome must be one of {OUTCOMES} (got {self.outcome!r})")
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == "passed"
+
     @property
     def entity_id(self) -> str:
         return self.gate_id
@@ -487,7 +569,9 @@ class GateDecision:
     def to_json(self) -> dict[str, Any]:
         return {
             "gate_id": self.gate_id,
+            "outcome": self.outcome,
             "passed": self.passed,
+            "p_value": self.numbers.get("p_value"),
             "reasons": self.reasons,
             "rules": [asdict(r) for r in self.rules],
             "numbers": self.numbers,
@@ -501,9 +585,11 @@ class GateDecision:
 
     @classmethod
     def from_payload(cls, payload: Mapping[str, Any], report_path: Path | None = None) -> GateDecision:
+        # Decisions recorded before the third outcome existed carry only ``passed``.
+        outcome = payload.get("outcome") or ("passed" if payload.get("passed") else "refused")
         return cls(
             gate_id=payload["entity_id"],
-            passed=bool(payload["passed"]),
+            outcome=outcome,
             reasons=list(payload.get("reasons", [])),
             rules=[RuleResult(**r) for r in payload.get("rules", [])],
             numbers=dict(payload.get("numbers", {})),
@@ -535,21 +621,50 @@ def gate_id_for(inputs: Mapping[str, Any]) -> str:
     return "gate:" + hashlib.sha256(body.encode()).hexdigest()[:20]
 
 
+_HEADLINE = {"passed": "PASSED", "refused": "REFUSED", "insufficient_evidence": "INSUFFICIENT EVIDENCE"}
+
+
+def _pct(x: Any) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.1%}"
+
+
 def render_markdown(decision: GateDecision) -> str:
     """The human-readable report (also logged as an MLflow artifact of the gate run)."""
     n = decision.numbers
+    conf = n.get("confidence") or 0.95
     lines = [
-        f"# Gate {decision.gate_id}: {'PASSED' if decision.passed else 'REFUSED'}",
+        f"# Gate {decision.gate_id}: {_HEADLINE[decision.outcome]}",
         "",
         f"- challenger: `{n.get('challenger')}`",
         f"- champion: `{n.get('champion')}`",
         f"- suite: `{decision.suite}`; regression suite: `{n.get('regression_suite')}`",
-        f"- paired items: {n.get('paired_items')} (excluded: {n.get('infra_excluded')} infra errors, "
-        f"{n.get('nondeterministic_excluded')} non-deterministic, {n.get('unpaired')} unpaired)",
+        f"- paired items: {n.get('paired_items')} (minimum {n.get('min_paired_items')}; excluded: "
+        f"{n.get('infra_excluded')} infra errors, {n.get('nondeterministic_excluded')} non-deterministic, "
+        f"{n.get('unpaired')} unpaired)",
         f"- pass rate: champion {_fmt(n.get('champion_pass_rate'))}, challenger {_fmt(n.get('challenger_pass_rate'))}; "
-        f"diff {_fmt(n.get('diff'))}, {n.get('confidence', 0):.0%} CI [{_fmt(n.get('ci_lo'))}, {_fmt(n.get('ci_hi'))}] "
-        f"({n.get('bootstrap_samples')} paired bootstrap samples, seed {n.get('seed')})",
-        f"- item-level: {n.get('wins')} wins, {n.get('losses')} losses, {n.get('ties')} ties",
+        f"diff {_pct(n.get('diff'))}",
+        f"- decision statistic: exact one-sided sign test on the discordant items, {n.get('wins')} wins / "
+        f"{n.get('losses')} losses: p = {_fmt4(n.get('p_value'))} (alpha {_fmt4(n.get('alpha'))})",
+        f"- one-sided {conf:.0%} lower bound of the difference (Newcombe hybrid score): {_pct(n.get('lower_bound'))}; "
+        f"two-sided {conf:.0%} interval [{_pct(n.get('newcombe_lo'))}, {_pct(n.get('newcombe_hi'))}]",
+        f"- effect size: paired-bootstrap {conf:.0%} CI [{_pct(n.get('ci_lo'))}, {_pct(n.get('ci_hi'))}] "
+        f"({n.get('bootstrap_samples')} samples, seed {n.get('seed')}; descriptive, not the decision)",
+        f"- minimum detectable improvement at {n.get('paired_items')} items ({POWER:.0%} power): "
+        f"{_pct(n.get('mde'))} with no losses" + (f", {_pct(n.get('mde_observed'))} at the observed disagreement rate"
+                                                   if n.get("mde_observed") is not None else ""),
+        "- items the observed effect would need (80% power): "
+        + (str(n.get("items_needed")) if n.get("items_needed") is not None else "none would do: no improvement observed"),
+    ]
+    origin = n.get("by_origin") or {}
+    if origin:
+        lines += ["", "## Fix rate and keep rate", "",
+                  "| held-out items from | n | champion | challenger | wins | losses |", "|---|---|---|---|---|---|"]
+        for key, label in (("failure", "production failures (fix rate)"), ("success", "production successes (keep rate)")):
+            o = origin.get(key)
+            if o:
+                lines.append(f"| {label} | {o['n']} | {_fmt(o['champion_rate'])} | {_fmt(o['challenger_rate'])} | "
+                             f"{o['wins']} | {o['losses']} |")
+    lines += [
         "",
         "## Rules",
         "",
@@ -557,7 +672,7 @@ def render_markdown(decision: GateDecision) -> str:
         "|---|---|---|---|---|",
     ]
     for r in decision.rules:
-        val = _fmt(r.value) if isinstance(r.value, float) else r.value
+        val = _fmt4(r.value) if isinstance(r.value, float) else r.value
         lines.append(f"| {r.rule} | {'pass' if r.passed else 'FAIL'} | {val} | {r.threshold} | {r.reason.replace('|', '/')} |")
     lines += ["", "## Slices", "", "| slice | n | champion | challenger | delta | wins | losses |", "|---|---|---|---|---|---|---|"]
     for s in n.get("slices", []):
@@ -625,6 +740,26 @@ def _regression_summary(ch: Any, cp: Any | None, champion_present: bool) -> Regr
     return RegressionSummary(ch.suite, n, failures, new, champion_present, infra, tuple(failed[:20]))
 
 
+def _load_suite(store: Any, artifacts: Any, spec: Any, what: str) -> Any:
+    """The suite ``spec`` names; ``None`` when no such version is recorded. A recorded suite whose
+    artifact is missing, corrupt or malformed raises :class:`GateError`: a gate never decides (and
+    a rule never passes) on a suite it could not read."""
+    if not isinstance(spec, str):
+        return spec
+    from flywheel.evals import load_suite, versioned_event
+
+    try:
+        recorded = versioned_event(store, "suite", "suite.versioned", spec)
+    except ValueError as e:
+        raise GateError(f"{what} suite {spec!r}: {e}") from None
+    if recorded is None:
+        return None
+    try:
+        return load_suite(store, artifacts, spec)
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, the gate must not go on
+        raise GateError(f"{what} suite {spec!r} is recorded but unreadable: {type(e).__name__}: {e}") from None
+
+
 def run_gate(
     cfg: Any,
     store: Any,
@@ -648,7 +783,7 @@ def run_gate(
     Raises :class:`GateError` (or :class:`flywheel.evaluate.EvaluationError`) when the gate cannot be
     evaluated; a refusal is a normal return with ``passed=False``.
     """
-    from flywheel.evaluate import ModelRef, evaluate_model, parse_suite_spec, resolve_suite
+    from flywheel.evaluate import ModelRef, evaluate_model, parse_suite_spec
     from flywheel.store import NewEvent
 
     name = cfg.cycle.model_name
@@ -661,14 +796,14 @@ def run_gate(
     reconcile_champion(store, tracker, name)  # complete an interrupted promotion before comparing with it
     champion = _champion_ref(cfg, tracker, version)
 
-    suite_obj = resolve_suite(store, artifacts, suite if suite is not None else cfg.cycle.heldout_suite)
+    spec = suite if suite is not None else cfg.cycle.heldout_suite
+    suite_obj = _load_suite(store, artifacts, spec, "held-out")
+    if suite_obj is None:
+        raise GateError(f"suite {spec!r} has no such version; run `flywheel evals build` first")
     suite_id = str(suite_obj.entity_id)
     heldout_name = parse_suite_spec(suite_id)[0]
-    reg_suite = None
-    try:
-        reg_suite = resolve_suite(store, artifacts, cfg.cycle.regression_suite)
-    except Exception:  # no regression suite recorded yet: the rule says so
-        reg_suite = None
+    # No regression suite recorded yet: the rule says so. One recorded but unreadable: an error.
+    reg_suite = _load_suite(store, artifacts, cfg.cycle.regression_suite, "regression")
 
     from flywheel.evaluate import default_policy_loader
 
@@ -715,14 +850,13 @@ def run_gate(
     unpaired += sum(1 for tid in cp_rows if tid not in ch_rows)
 
     g = cfg.gate
-    boot = paired_bootstrap(
-        [p.champion for p in paired], [p.challenger for p in paired],
-        samples=g.bootstrap_samples, confidence=g.confidence, seed=g.seed,
-    )
+    stats = paired_stats([p.champion for p in paired], [p.challenger for p in paired],
+                         confidence=g.confidence, bootstrap_samples=g.bootstrap_samples, seed=g.seed)
+    boot = stats.boot
     slices = compute_slices(paired)
     regression = _regression_summary(ch_reg, cp_reg, not champion.is_base) if ch_reg is not None else None
     decon = assess_decontamination(lineage, suite_id, heldout_name, contaminated)
-    passed, rules = decide(GateEvidence(boot, tuple(slices), regression, decon), g)
+    outcome, rules = decide(GateEvidence(stats, tuple(slices), regression, decon), g)
 
     inputs = {
         "challenger": ch_eval.evaluation_id, "champion": cp_eval.evaluation_id,
@@ -736,22 +870,39 @@ def run_gate(
     if prior:
         return GateDecision.from_payload(prior[-1].payload, report_path if report_path.exists() else None)
 
-    reasons = [r.reason for r in rules if not r.passed] or [
-        f"challenger beats champion: {_fmt(boot.challenger_rate)} vs {_fmt(boot.champion_rate)}, "
-        f"CI [{_fmt(boot.lo)}, {_fmt(boot.hi)}]"
-    ]
+    if outcome == "passed":
+        reasons = [f"challenger beats champion: {_fmt(stats.challenger_rate)} vs {_fmt(stats.champion_rate)} on "
+                   f"{stats.n} items, {stats.wins} wins / {stats.losses} losses, p = {stats.p_value:.4g}"]
+    elif outcome == "insufficient_evidence":
+        reasons = [rules[0].reason] + [r.reason for r in rules[1:] if not r.passed and r.rule not in EVIDENCE_RULES]
+    else:
+        reasons = [r.reason for r in rules if not r.passed and r.rule != "min_paired_items"]
+    by_origin = {}
+    for key in ("failure", "success"):
+        sl = next((x for x in slices if x.name == f"origin:{key}"), None)
+        if sl is not None:
+            by_origin[key] = {"n": sl.n, "champion_rate": sl.champion_rate, "challenger_rate": sl.challenger_rate,
+                              "wins": sl.wins, "losses": sl.losses}
     numbers = _clean({
+        "outcome": outcome,
         "challenger": str(challenger), "champion": str(champion), "suite": suite_id,
         "regression_suite": str(reg_suite.entity_id) if reg_suite is not None else None,
         "challenger_evaluation": ch_eval.evaluation_id, "champion_evaluation": cp_eval.evaluation_id,
         "challenger_evaluation_cached": ch_eval.cached, "champion_evaluation_cached": cp_eval.cached,
         "decoding": ch_eval.decoding,
-        "items": ch_eval.n_items, "paired_items": boot.n, "infra_excluded": len(infra_ids),
-        "nondeterministic_excluded": nondet, "unpaired": unpaired, "infra_error_ids": infra_ids[:50],
-        "champion_pass_rate": boot.champion_rate, "challenger_pass_rate": boot.challenger_rate,
-        "diff": boot.diff, "ci_lo": boot.lo, "ci_hi": boot.hi, "confidence": boot.confidence,
+        "items": ch_eval.n_items, "paired_items": stats.n, "min_paired_items": g.min_paired_items,
+        "infra_excluded": len(infra_ids), "nondeterministic_excluded": nondet, "unpaired": unpaired,
+        "infra_error_ids": infra_ids[:50],
+        "champion_pass_rate": stats.champion_rate, "challenger_pass_rate": stats.challenger_rate,
+        "champion_passed": stats.both + stats.losses, "challenger_passed": stats.both + stats.wins,
+        "diff": stats.diff, "p_value": stats.p_value, "alpha": stats.alpha, "lower_bound": stats.lower_bound,
+        "newcombe_lo": stats.newcombe_lo, "newcombe_hi": stats.newcombe_hi,
+        "ci_lo": boot.lo, "ci_hi": boot.hi, "confidence": g.confidence,
         "bootstrap_samples": boot.samples, "seed": boot.seed,
-        "wins": boot.wins, "losses": boot.losses, "ties": boot.ties,
+        "mde": stats.mde, "mde_observed": stats.mde_observed, "items_needed": stats.items_needed,
+        "wins": stats.wins, "losses": stats.losses, "ties": stats.ties, "both_pass": stats.both,
+        "both_fail": stats.neither,
+        "by_origin": by_origin,
         "win_ids": [p.task_id for p in paired if p.challenger and not p.champion][:50],
         "loss_ids": [p.task_id for p in paired if p.champion and not p.challenger][:50],
         "slices": [{**asdict(s), "delta": s.delta} for s in slices],
@@ -761,7 +912,7 @@ def run_gate(
         "thresholds": g.model_dump(),
     })
     decision = GateDecision(
-        gate_id=gate_id, passed=passed, reasons=reasons, rules=list(rules), numbers=numbers,
+        gate_id=gate_id, outcome=outcome, reasons=reasons, rules=list(rules), numbers=numbers,
         report_path=report_path, model=name, challenger_version=version, champion=str(champion), suite=suite_id,
     )
     md = render_markdown(decision)
@@ -776,16 +927,18 @@ def run_gate(
                             ch_eval.evaluation_id, cp_eval.evaluation_id,
                             *(e.evaluation_id for e in (ch_reg, cp_reg) if e is not None)) if c]
     with tracker.run("gate", consumes=consumes, produces=[gate_id], correlation_id=correlation_id,
-                     tags={"flywheel.gate.passed": str(passed).lower()}) as run:
+                     tags={"flywheel.gate.passed": str(outcome == "passed").lower(),
+                           "flywheel.gate.outcome": outcome}) as run:
         run.log_params({f"gate.{k}": v for k, v in g.model_dump().items()})
         run.log_metrics({k: numbers[k] for k in (
-            "champion_pass_rate", "challenger_pass_rate", "diff", "ci_lo", "ci_hi", "wins", "losses",
-            "ties", "paired_items", "infra_excluded") if isinstance(numbers.get(k), int | float)})
-        run.log_metrics({"passed": float(passed)})
+            "champion_pass_rate", "challenger_pass_rate", "diff", "p_value", "lower_bound", "ci_lo", "ci_hi",
+            "wins", "losses", "ties", "paired_items", "infra_excluded", "mde") if isinstance(numbers.get(k), int | float)})
+        run.log_metrics({"passed": float(outcome == "passed")})
         run.log_text(md, "gate_report.md")
         run_id = run.run_id
     payload = {
-        "entity_id": gate_id, "passed": passed, "reasons": reasons,
+        "entity_id": gate_id, "outcome": outcome, "passed": outcome == "passed", "p_value": numbers["p_value"],
+        "reasons": reasons,
         "rules": [_clean(asdict(r)) for r in rules], "numbers": numbers,
         "model": name, "challenger_version": version, "champion": str(champion), "suite": suite_id,
         "report": md_ref.to_dict(), "mlflow_run_id": run_id,

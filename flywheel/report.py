@@ -11,28 +11,18 @@ from __future__ import annotations
 
 import html
 import json
-import math
 import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from flywheel.stats import wilson
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
 
 
 class ReportError(LookupError):
     pass
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion k/n (sane at 0 and n, unlike Wald)."""
-    if n <= 0:
-        return 0.0, 1.0
-    p = k / n
-    den = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def esc(x: Any) -> str:
@@ -290,7 +280,7 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
     traces = traces_of(store, model) if model else []
 
     outcome = payload.get("outcome", "?")
-    badge = "pass" if outcome == "promoted" else ("fail" if outcome == "refused" else "muted")
+    badge = {"promoted": "pass", "refused": "fail"}.get(outcome, "muted")
     summary_rows = [("outcome", f'<span class="{badge}">{esc(outcome)}</span>'), ("reason", esc(payload.get("reason"))),
                     ("new failures", esc(stages.get("new_failures"))), ("wall time", f"{esc(payload.get('wall_s'))} s"),
                     ("recorded at", esc(ev.recorded_at))]
@@ -312,11 +302,25 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
         for r in gate.get("rules") or [])
     ci = ""
     if numbers:
-        ci = (f'<p>Held-out pass rate: champion <b>{numbers.get("champion_pass_rate", 0):.1%}</b>, challenger '
-              f'<b>{numbers.get("challenger_pass_rate", 0):.1%}</b>; difference {numbers.get("diff", 0):+.1%} with '
-              f'{numbers.get("confidence", 0.95):.0%} paired-bootstrap CI [{numbers.get("ci_lo", 0):+.1%}, '
-              f'{numbers.get("ci_hi", 0):+.1%}] over {numbers.get("paired_items")} items '
-              f'({numbers.get("wins")} wins, {numbers.get("losses")} losses).</p>')
+        conf = numbers.get("confidence") or 0.95
+        p_value = numbers.get("p_value")
+        lower = numbers.get("lower_bound")
+        ci = (f'<p>Held-out pass rate: champion <b>{numbers.get("champion_pass_rate") or 0:.1%}</b>, challenger '
+              f'<b>{numbers.get("challenger_pass_rate") or 0:.1%}</b> over {numbers.get("paired_items")} paired items '
+              f'({numbers.get("wins")} wins, {numbers.get("losses")} losses); difference '
+              f'{numbers.get("diff") or 0:+.1%}.</p>')
+        if p_value is not None:
+            ci += (f'<p>Decision: exact one-sided sign test p = <b>{p_value:.4g}</b>'
+                   + (f'; one-sided {conf:.0%} lower bound (Newcombe) {lower:+.1%}' if lower is not None else "")
+                   + f'. Effect size: {conf:.0%} paired-bootstrap CI [{numbers.get("ci_lo") or 0:+.1%}, '
+                   f'{numbers.get("ci_hi") or 0:+.1%}].</p>')
+        origin = numbers.get("by_origin") or {}
+        parts = [f'{label} {o["challenger_rate"]:.1%} vs {o["champion_rate"]:.1%} ({o["n"]} items)'
+                 for key, label in (("failure", "fix rate"), ("success", "keep rate")) if (o := origin.get(key))]
+        if parts:
+            ci += "<p>Challenger vs champion: " + esc("; ".join(parts)) + ".</p>"
+    gate_outcome = (gate.get("outcome") or ("passed" if gate.get("passed") else "refused")) if gate else "not run"
+    gate_class = {"passed": "pass", "refused": "fail"}.get(gate_outcome, "muted")
     trace_rows = "".join(f"<tr><td><code>{esc(t['trace'])}</code></td><td>{esc(t['timestamp'])}</td>"
                          f"<td>{esc(', '.join(t['failure_kinds'] or []) or t['status'])}</td></tr>" for t in traces[:40])
     page = f"""<!doctype html>
@@ -328,7 +332,7 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
 <section id="failure-kinds"><h2>Failure kinds over time</h2>{svg_stacked_bars(days, kinds, title="failure kinds per day") if days else '<p class="empty">no failures ingested</p>'}</section>
 <section id="training"><h2>Training</h2>{svg_lines(curves, title="training curves")}</section>
 <section id="pass-rates"><h2>Champion vs challenger (held-out)</h2>{ci}{svg_pass_rates(srows, title="pass rates per slice") if srows else '<p class="empty">no gate evaluation in this cycle</p>'}</section>
-<section id="gate"><h2>Gate decision: <span class="{"pass" if gate.get("passed") else "fail"}">{"passed" if gate.get("passed") else ("refused" if gate else "not run")}</span></h2>
+<section id="gate"><h2>Gate decision: <span class="{gate_class}">{esc(gate_outcome)}</span></h2>
 <table><tr><th>rule</th><th>result</th><th>value</th><th>threshold</th><th>reason</th></tr>{rules_html}</table></section>
 <section id="lineage"><h2>Lineage of {esc(model or "the new model")}</h2>{svg_lineage(edges, model) if model else '<p class="empty">no model was trained</p>'}
 <table><tr><th>production trace</th><th>timestamp</th><th>failure kinds</th></tr>{trace_rows}</table>

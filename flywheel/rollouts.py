@@ -16,6 +16,9 @@ Guarantees
   and returns it without sampling again; a re-run after a crash samples from scratch.
 - Samples whose verifier hit an infrastructure error keep ``infra_error`` set, get advantage 0, and are
   excluded from the group statistics and from training (an infrastructure failure is never reward 0).
+  So are samples whose verdict is not training data (``Verdict.not_for_training``: a weak sandbox the
+  candidate could have forged); their ``infra_error`` column says ``not for training: <why>`` and the
+  stats count them as ``untrainable``.
 - Zero-variance groups (all K rewards equal) carry no GRPO signal: their share is reported, and
   ``rollout.dynamic_sampling = "drop"`` removes them from the dataset (DAPO's dynamic sampling, without
   the resampling loop).
@@ -160,14 +163,15 @@ def episodes_to_table(
     passed_all: list[bool] = []
     tokens = 0
     gen_ms = 0.0
-    infra = 0
+    infra = untrainable = 0
     for task, eps in zip(tasks, groups, strict=True):
         n_groups += 1
         group_id = hashlib.sha256(f"{env_id}|{task['task_id']}".encode()).hexdigest()[:16]
         rewards = [float(e.verdict.reward) for e in eps]
         passed = [bool(e.verdict.passed) for e in eps]
-        ok = [e.verdict.infra_error is None for e in eps]
-        infra += ok.count(False)
+        ok = [e.verdict.ok_for_training for e in eps]
+        infra += sum(e.verdict.infra_error is not None for e in eps)
+        untrainable += sum(e.verdict.infra_error is None and not e.verdict.ok_for_training for e in eps)
         zero_var, any_pass = _group_stats(rewards, passed, ok)
         zero_var_groups += zero_var
         pass_any += any_pass
@@ -205,7 +209,8 @@ def episodes_to_table(
                 "passed": passed[i],
                 "advantage": adv[i],
                 "finish_reason": e.finish_reason if e.finish_reason in ("stop", "length", "max_turns") else "error",
-                "infra_error": e.verdict.infra_error,
+                "infra_error": e.verdict.infra_error or (
+                    None if ok[i] else f"not for training: {e.verdict.not_for_training}"),
                 "generation_ms": float(e.gen_ms),
                 "verify_ms": float(e.verify_ms),
             })
@@ -221,6 +226,7 @@ def episodes_to_table(
         "zero_variance_share": (zero_var_groups / n_groups) if n_groups else 1.0,
         "dropped_groups": dropped,
         "infra_errors": infra,
+        "untrainable": untrainable,
         "tokens": tokens,
         "tokens_per_s": (tokens / (gen_ms / 1000.0)) if gen_ms > 0 else 0.0,
     }

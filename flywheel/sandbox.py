@@ -1,78 +1,162 @@
 """Run untrusted model output (Python solutions, shell scripts) and grade it without trusting it.
 
 Used by the ``python_tests`` and ``shell`` verifiers. One call = one sandbox = one fresh set of
-namespaces; nothing is shared between runs.
+namespaces (and cgroup); nothing is shared between runs.
 
 How a run works
 ---------------
-The supervisor (this module, in the verifier's process) writes the candidate, the tests or grader and a
-random nonce into a fresh root-only (0700) directory, opens two result files and starts the trusted
-harness ``flywheel/verifiers/_sandbox_harness.py`` as pid 1 of new pid, mount and network namespaces
-(``unshare --pid --fork --mount-proc --net``). The harness, still root:
+The supervisor (this module, in the verifier's process) starts the trusted harness
+``flywheel/verifiers/_sandbox_harness.py`` as pid 1 of new pid, mount and network namespaces
+(``unshare --pid --fork --mount-proc --ipc --net``) and sends it the setup -- candidate, tests or grader,
+per-run secrets -- on its stdin: nothing is written to a file or put on a command line. Results come
+back on two unlinked temporary files (the init channel and the result channel) whose descriptors
+the harness inherits. The harness, still root:
 
-1. reads the setup, then mounts size-limited tmpfs over ``/tmp`` (hiding the setup directory),
-   ``/var/tmp``, ``/dev/shm`` and ``/run/lock``, and writes the candidate into ``/tmp/work``;
-2. forks a worker that drops to a random unprivileged uid (so ``RLIMIT_NPROC`` really bounds it and the
-   host filesystem is read-only to it), sets ``no_new_privs`` and rlimits (CPU, address space,
-   processes, file size, open files, no core files), scrubs the environment, closes stdin;
-3. python: the worker imports ``solution`` and runs every test the *supervisor* found in the test source
-   (``test_*`` functions, ``Test*.test_*`` methods, parsed with ``ast`` here, outside the sandbox);
-   each result is a line ``<nonce> PASS|FAIL <index>`` on the test channel.
-   shell: the worker execs ``bash candidate.sh``; when it ends, init kills every process left in the
-   namespace, then runs the grader (kept in init's memory, never in the writable tree) in a new worker;
-   the grader's exit status, observed by init, is the single test.
-4. init reports READY / the worker's exit status / END on the init channel, which the worker closes
-   before any candidate code runs. Init exiting tears the pid namespace down: the kernel SIGKILLs every
-   process still in it, including daemonised ones.
+1. joins the run's cgroup (``memory.max`` = ``sandbox.memory_mb`` for all its processes together,
+   ``pids.max``), mounts size-limited tmpfs over ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``
+   and a tmpfs of its own at ``/tmp/work``, where it writes the candidate;
+2. forks a worker that drops to a random unprivileged uid, sets ``no_new_privs``, becomes
+   non-dumpable (its ``/proc/self/mem`` and ``/proc/self/fd`` are root's), sets rlimits (CPU, address
+   space, processes, file size, open files, no core files), scrubs the environment, closes stdin;
+3. grades the candidate along one of three paths, named in ``SandboxResult.report["grading"]``:
 
-A run **passes only on positive evidence**: every expected test has exactly one PASS record carrying
-the nonce, the worker wrote its DONE record, and no record carries a wrong nonce or a duplicate.
-Exit status 0, output on stdout, files in the work dir mean nothing. A run whose init never reached
-READY (unshare missing, python missing, mount refused) is an **infrastructure error**
-(``infra_error`` set), never a candidate failure; anything after READY is the candidate's.
+   - ``io`` -- python tests that are input -> expected-output checks (:mod:`flywheel.io_tests`; the
+     common shape of compiled evals). The worker imports ``solution`` and makes each call once; its
+     serialised results come back and **this process** decodes them and applies the checks. The
+     candidate's process never holds an expected value, a test name, a nonce or anything else that
+     decides the verdict, so the worst it can do is answer.
+   - ``in_process`` -- any other python tests (loops, helpers, fixtures) run beside the candidate in
+     one interpreter, hardened as described under *Covered*; a ``PASS`` record must carry that
+     test's own random token.
+   - ``grader`` -- shell: the candidate script runs; when it ends every candidate process is killed;
+     then the grader (kept in init's memory, never in the writable tree) runs as a *second*
+     throwaway uid, from an empty cwd, with a fresh ``/tmp``, the work dir read-only at ``$WORK``
+     (no exec, no set-uid, symlinks not followed), a fixed ``PATH`` whose ``python``/``python3`` run
+     ``-I``. Its exit status, observed by init, is the single test.
+4. init reports START / READY / the worker's exit status / END on the init channel (closed in the
+   worker before any candidate code runs). Init exiting tears the pid namespace down: the kernel
+   SIGKILLs every process still in it. The supervisor then kills and removes the cgroup.
 
-Covered (one adversarial test each in ``tests/adversarial/test_sandbox.py``)
----------------------------------------------------------------------------
+A run **passes only on positive evidence**: every expected test passed (io: the supervisor's own
+checks; in_process: one ``PASS`` per test with its token and a ``DONE`` with the run's token;
+grader: init saw exit 0), and nothing on the result channel was malformed, duplicated or forged (one
+such record fails every test). Exit status 0, output on stdout, files in the work dir mean nothing.
+A run whose init never reached READY (unshare missing, python missing, mount refused, cgroup join
+refused) is an **infrastructure error** (``infra_error`` set), never a candidate failure.
+
+Isolation, and what happens without it
+--------------------------------------
+``isolation_mode()`` is ``"netns"`` when this process is root and ``unshare`` works, else ``"weak:
+<why>"``. Weak mode (no namespaces, no tmpfs; no uid drop unless root) lets the candidate read the
+verifier's files, reach the network and, running as the verifier's own user, tamper with the verifier
+process itself: its verdicts are forgeable. Therefore, without namespaces a ``python_tests``/``shell``
+run is an ``infra_error`` -- never reward 0, never training data -- unless ``sandbox.allow_weak``;
+even then the verdict's ``ok_for_training`` is false unless ``sandbox.train_on_weak``.
+``flywheel init``/``flywheel status`` print :func:`isolation_report`, and the cycle warns.
+
+Cgroups (``sandbox.cgroup``): the supervisor creates ``flywheel-sbx-*`` under its own cgroup, with
+cgroup v2 (``memory.max``, ``memory.swap.max = 0``, ``pids.max``) where the unified hierarchy has the
+memory and pids controllers, else with the v1 memory and pids hierarchies. Where neither is writable
+the run goes on with rlimits only and ``report["cgroup"]`` says why (``"require"`` makes that an
+infrastructure error instead).
+
+Covered (one adversarial test each in ``tests/adversarial/``)
+-------------------------------------------------------------
+All paths:
+
 - ``sys.exit(0)`` / ``os._exit(0)`` / ``raise SystemExit`` at import or inside a test;
-- monkeypatching the runner (``os.write``, ``builtins``, the harness module), printing fake results,
-  writing fake records without the nonce, forking to report twice;
-- deleting/rewriting test files (they are not in the writable tree; the test code was read by root
-  before the candidate started) and reading them (root-only directory, hidden under a tmpfs);
-- fork bombs (``RLIMIT_NPROC`` per throwaway uid), memory bombs (``RLIMIT_AS``), infinite loops
-  (``RLIMIT_CPU`` + wall clock, whole namespace killed), huge files (``RLIMIT_FSIZE`` per file, tmpfs
-  size in total), network (empty network namespace: not even loopback is up), background processes
-  (pid namespace);
-- in-process introspection to read the nonce or rewrite harness frames: an audit hook refuses
-  ``sys._getframe``, ``tb_frame``/``gi_frame`` access, ``gc`` object walks, ``sys.settrace``,
-  ``ctypes`` and opening ``/proc/*/mem``.
+- printing fake results (stdout means nothing), writing forged/duplicate records to any descriptor,
+  forking so that two processes answer, dup2-ing a pipe over the result channel to read what the
+  harness writes (a read-back ``PASS`` reveals only that test's token), ``atexit`` handlers and
+  threads that write after the tests (the worker ends with ``os._exit``; a run without ``DONE`` fails);
+- reading the tests or expected values: never in the sandbox for ``io``; for ``in_process``/``grader``
+  only in root-owned memory and channels the worker cannot open (``/proc/*/mem``, ``/proc/self/fd``
+  are root's once non-dumpable; the host ``/tmp`` is hidden under a tmpfs);
+- fork bombs (``RLIMIT_NPROC`` per throwaway uid and ``pids.max``), memory bombs (``RLIMIT_AS`` per
+  process and ``memory.max`` across all the sandbox's processes), infinite loops (``RLIMIT_CPU`` +
+  wall clock, whole namespace killed), huge files (``RLIMIT_FSIZE`` per file, tmpfs size and inode
+  count in total), network (empty network namespace: not even loopback is up), background processes
+  (pid namespace and cgroup), SysV/POSIX IPC objects outliving the run (ipc namespace).
+
+``io`` only: an object whose ``__eq__`` always returns True, an ``int`` subclass, anything but plain
+data (results are decoded into exact built-in types before any comparison); patching builtins or
+modules (the checks run in this process); answering a call twice; results that would make the checks
+expensive (no ``%`` formatting of a result string, no arithmetic on integers over 100,000 bits).
+
+``in_process``:
+
+- frames: ``signal``/``_signal``/``faulthandler`` (a signal handler receives the interrupted frame)
+  and ``ctypes`` are removed from ``sys.modules`` and from every loaded module's namespace, and their
+  import is refused by an audit hook; the hook also refuses ``sys._getframe``,
+  ``sys._current_frames``, ``sys._current_exceptions``, ``sys.settrace``/``setprofile`` (so
+  ``threading.settrace`` too), ``tb_frame``/``gi_frame``/``cr_frame``/``ag_frame``, ``gc`` object
+  walks, new audit hooks, ``code.__new__``, setting ``__code__``/``__class__``, and ``SIGINT`` kills
+  the worker instead of raising ``KeyboardInterrupt`` inside the harness;
+- the harness's own code paths: everything it calls after the candidate's import is bound to local
+  names beforehand (``exec``, ``enumerate``, ``os.write``, ...), and test callables are resolved
+  before the first test runs;
+- what the tests use: they run against a snapshot of ``builtins`` taken before the candidate's import
+  (``type``, ``__build_class__``, ``__import__``, ...); their imports resolve to private copies of the
+  modules imported before the candidate (whatever it later puts in ``sys.modules`` or
+  ``sys.meta_path``, or rebinds in the real ``math`` while a test runs); the class dicts of those
+  modules (``unittest.TestCase.assertEqual``), the real module dicts, the copies, the builtins
+  snapshot and the tests' namespace are restored before every test;
+- a thread the candidate leaves running (it could rebind things between restore and check) fails
+  every test that starts or ends while it runs.
+
+``grader`` (shell): files planted for the grader (``json.py``/``sitecustomize.py`` for its python, an
+rc file, ``bin/test``), symlinks into the grader's own files (``/proc/self/cwd/...``), files planted
+in ``/tmp``, ``/dev/shm``, ``/var/tmp`` (fresh for the grader), modes that lock the grader out (the
+files are made readable to everyone; their owner stays the candidate's uid, so git refuses to run
+hooks from its ``.git/config``), background processes that rewrite the answer late.
 
 Not covered (know these before trusting a reward)
 -------------------------------------------------
-- Semantic gaming of weak tests: an object whose ``__eq__`` always returns True passes
-  ``assert f(x) == y``. Tests should check types (``assert type(r) is int and r == 3``).
-- A determined in-process attacker that finds an introspection path the audit hook does not cover
-  can forge PASS records: the tests run in the same interpreter as the candidate. Treat rewards as
-  "hard to game by accident or by common RL hacks", not as a security boundary against a targeted exploit.
+- ``io``: a reward is as strong as the checks: ``len(f(x)) == 3`` passes for any three items, and
+  the candidate sees every input it is called with, so a solution that already knows the expected
+  outputs (say, from its prompt) can special-case those inputs.
+- ``in_process``: semantic gaming of weak checks: ``assert f(x) == y`` passes for an object whose
+  ``__eq__`` returns True (write ``type(r) is int`` checks -- or use input -> expected-output tests,
+  which the ``io`` path judges on plain data).
+- ``in_process``: the tests run in the candidate's interpreter, so the per-test tokens are in its
+  memory. Paths the hook cannot see remain: crafted bytecode (a hand-written ``.pyc`` or
+  ``marshal.loads`` data builds code objects that CPython does not verify and that can read the
+  interpreter's memory), CPython memory-safety bugs, objects the candidate reaches through values
+  the tests hand it (a callback's ``__globals__`` is the tests' namespace -- restored before each
+  test, but writable during it), and state deeper than module and class dicts: functions of the
+  tests' modules read the *real* module's globals, and a change the function under test makes to
+  such state (or to instances, closures, C-level state) lasts until the next test.
+  Treat ``in_process`` rewards as "hard to game by common RL hacks", not as a boundary against a
+  targeted exploit; ``io`` rewards are bounded by the checks themselves.
+- ``in_process``: ``signal``, ``faulthandler`` and ``ctypes`` cannot be imported, so neither can
+  modules that import them at load time (``subprocess``, ``asyncio``, ``multiprocessing``); such
+  candidates fail. ``pytest.raises`` (with ``site_packages``) reads ``tb_frame`` and fails there;
+  ``io`` supports ``pytest.raises`` natively.
+- ``grader``: a grader that executes the candidate's files (``bash $WORK/x.sh``) runs candidate code
+  as the grader's uid; the grader should read outputs, not run them.
 - Kernel exploits; side channels; reading world-readable host files (the host filesystem is visible
-  read-only to the sandbox uid: the source tree, ``/etc``). Do not keep secrets world-readable.
-- Weak mode (no root or no ``unshare``): no namespaces, no uid drop, no tmpfs. Processes that
-  ``setsid()`` can escape the process-group kill, the network is reachable, the work dir is on disk.
-  ``SandboxResult.isolation`` says ``"weak: <why>"`` so the verdict records it.
+  read-only to the sandbox uids: the source tree, ``/etc``). Do not keep secrets world-readable.
+- Weak mode (see above): no namespaces, no tmpfs; not root, the candidate runs as the verifier's own
+  user (it can read its files, reach the network, and tamper with the verifier's process); the grader
+  runs as the candidate's uid in a writable tree; processes that ``setsid()`` escape the
+  process-group kill unless a cgroup exists.
 - CPU time is limited per process; the wall clock bounds the total.
 
 Throughput: the Python path starts ``python -I -S`` (no site-packages: ~10 ms instead of ~30 ms on the
 development machine); pass ``site_packages=True`` when solutions may import installed packages.
-Namespace creation costs ~1 ms. See ``benchmarks/bench_sandbox.py`` for measured figures; a warm fork
-server would save the interpreter start only, at the cost of shared state between runs.
+Namespace creation costs ~1 ms, the cgroup ~0.5 ms. ``SandboxResult.details["timings_ms"]`` splits each
+run into stages and ``benchmarks/bench_sandbox.py`` compares them with the pre-redesign sandbox.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
-import json
+import hmac
+import marshal
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -83,28 +167,51 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flywheel.config import SandboxConfig
+from flywheel.io_tests import IOPlan, NotIO, compile_io, decode_value
 
-__all__ = ["SandboxResult", "run_python_tests", "run_shell", "discover_tests", "isolation_mode"]
+__all__ = [
+    "SandboxResult",
+    "run_python_tests",
+    "run_shell",
+    "discover_tests",
+    "isolation_mode",
+    "isolation_report",
+    "cgroup_support",
+    "GRADINGS",
+]
 
 # Interpreter of the sandbox (harness and candidate) when a call passes none; a module attribute so a
 # deployment can point it at a dedicated interpreter.
 PYTHON = sys.executable
 _HARNESS = Path(__file__).resolve().parent / "verifiers" / "_sandbox_harness.py"
+# The harness is imported as a module, not run as a script: a script is compiled on every run (~4 ms
+# for its ~800 lines), a module is loaded from its cached bytecode.
+_BOOT = (
+    "import sys; sys.path.insert(0, {d!r}); import {m} as h; sys.path.remove({d!r}); h.main()"
+    .format(d=str(_HARNESS.parent), m=_HARNESS.stem)
+)
 _OUTPUT_LIMIT = 8192  # bytes of stdout/stderr kept in the result (the rest is discarded)
-_RECORD_LIMIT = 4 * 1024 * 1024  # bytes of result records read back (one line per test)
-# Throwaway uids: a random one per run so concurrent sandboxes do not share an RLIMIT_NPROC budget.
+_RECORD_LIMIT = 16 * 1024 * 1024  # bytes of result records read back (io results: up to 1 MiB each)
+# Throwaway uids: random per run so concurrent sandboxes do not share an RLIMIT_NPROC budget.
 _UID_BASE, _UID_SPAN = 200_000, 100_000
 # Headroom between the harness's own per-phase deadline and the supervisor's hard kill.
 _GRACE_S = 1.0
+# pids.max headroom over sandbox.max_processes: init, and bash/the grader between phases.
+_PIDS_HEADROOM = 4
+_CG_PREFIX = "flywheel-sbx-"
+#: Grading paths of ``run_python_tests``: ``auto`` = ``io`` when the tests allow it, else ``in_process``.
+GRADINGS = ("auto", "io", "in_process")
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     """Outcome of one sandboxed run.
 
-    ``passed`` is True only when every expected test produced a PASS record with the nonce (see the
-    module docstring). ``infra_error`` is set when the sandbox itself could not start; then
-    ``passed`` is False and the result says nothing about the candidate.
+    ``passed`` is True only on positive evidence for every test (see the module docstring).
+    ``infra_error`` is set when the sandbox could not run or judge; then ``passed`` is False and the
+    result says nothing about the candidate. ``isolation`` is ``"netns"`` or ``"weak: <why>"``;
+    ``report`` says what this run got: ``mode``, ``namespaces``, ``uid``, ``cgroup``, ``grading`` (and
+    why not ``io``), ``grader`` (shell).
     """
 
     passed: bool
@@ -118,6 +225,11 @@ class SandboxResult:
     infra_error: str | None = None
     killed_reason: str | None = None
     details: dict = field(default_factory=dict)
+    report: dict = field(default_factory=dict)
+
+    @property
+    def weak(self) -> bool:
+        return self.isolation != "netns"
 
 
 @functools.lru_cache(maxsize=1)
@@ -135,7 +247,7 @@ def isolation_mode() -> str:
         return "weak: unshare(1) not found"
     try:
         r = subprocess.run(
-            [unshare, "--pid", "--fork", "--mount-proc", "--net", "true"],
+            [unshare, "--pid", "--fork", "--mount-proc", "--ipc", "--net", "true"],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=10,
@@ -145,6 +257,281 @@ def isolation_mode() -> str:
     if r.returncode != 0:
         return f"weak: unshare refused ({r.stderr.decode(errors='replace').strip()[:200]})"
     return "netns"
+
+
+# ------------------------------------------------------------------------------------------ cgroups
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """(mount point, fstype, options) of every mount, from /proc/self/mounts (octal escapes undone)."""
+    out = []
+    try:
+        text = Path("/proc/self/mounts").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4:
+            point = parts[1].encode().decode("unicode_escape")
+            out.append((point, parts[2], parts[3]))
+    return out
+
+
+def _own_cgroups() -> dict[str, str]:
+    """Controller (``"0"`` for the unified hierarchy) -> this process's cgroup path."""
+    out: dict[str, str] = {}
+    try:
+        text = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            out["0"] = path
+        for c in controllers.split(","):
+            if c:
+                out[c] = path
+    return out
+
+
+def _try_child(parent: Path, files: dict[str, str]) -> str | None:
+    """Create a child cgroup, write ``files`` in it, remove it. None when that worked, else why not."""
+    probe = parent / f"{_CG_PREFIX}probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        probe.mkdir()
+    except OSError as e:
+        return f"cannot create a cgroup under {parent} ({e.strerror})"
+    try:
+        for name, value in files.items():
+            (probe / name).write_text(value)
+    except OSError as e:
+        return f"cannot set {name} under {parent} ({e.strerror})"
+    finally:
+        try:
+            probe.rmdir()
+        except OSError:
+            pass
+    return None
+
+
+def _sweep(parent: Path) -> None:
+    """Remove empty sandbox cgroups whose supervisor died (a crash between create and remove)."""
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for d in entries:
+        if not d.name.startswith(_CG_PREFIX):
+            continue
+        pid = d.name[len(_CG_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+@dataclass(frozen=True)
+class _CgroupSupport:
+    version: int  # 2, 1 or 0 (none)
+    parents: dict[str, Path]  # v2: {"unified": dir}; v1: {"memory": dir, "pids": dir}
+    describe: str
+
+
+@functools.lru_cache(maxsize=1)
+def _cgroup_support() -> _CgroupSupport:
+    if os.name != "posix":
+        return _CgroupSupport(0, {}, "none: not a POSIX system")
+    mounts = _mounts()
+    own = _own_cgroups()
+    why: list[str] = []
+    v2 = next((Path(p) for p, fs, _ in mounts if fs == "cgroup2"), None)
+    if v2 is not None and "0" in own:
+        parent = v2 / own["0"].lstrip("/")
+        try:
+            controllers = (parent / "cgroup.controllers").read_text().split()
+        except OSError as e:
+            controllers = []
+            why.append(f"cgroup2 at {v2}: {e.strerror}")
+        missing = [c for c in ("memory", "pids") if c not in controllers]
+        if missing:
+            if controllers or not why:
+                why.append(f"cgroup2 at {v2} has no {'/'.join(missing)} controller in {parent} "
+                           "(bound to cgroup v1, or not delegated)")
+        else:
+            sub = (parent / "cgroup.subtree_control").read_text().split()
+            if not {"memory", "pids"} <= set(sub):
+                try:
+                    (parent / "cgroup.subtree_control").write_text("+memory +pids")
+                except OSError as e:
+                    why.append(f"cgroup2 at {v2}: cannot enable memory/pids for children of {parent} "
+                               f"({e.strerror}; a cgroup that holds processes cannot delegate them)")
+            if not why:
+                err = _try_child(parent, {"memory.max": str(64 << 20), "pids.max": "64"})
+                if err is None:
+                    _sweep(parent)
+                    return _CgroupSupport(2, {"unified": parent}, f"v2: memory.max + pids.max under {parent}")
+                why.append(f"cgroup2: {err}")
+    elif v2 is None:
+        why.append("no cgroup2 mount")
+    v1: dict[str, Path] = {}
+    for ctl, limit_file in (("memory", "memory.limit_in_bytes"), ("pids", "pids.max")):
+        point = next((Path(p) for p, fs, opts in mounts if fs == "cgroup" and ctl in opts.split(",")), None)
+        if point is None or ctl not in own:
+            why.append(f"no cgroup v1 {ctl} hierarchy")
+            continue
+        parent = point / own[ctl].lstrip("/")
+        err = _try_child(parent, {limit_file: str(64 << 20) if ctl == "memory" else "64"})
+        if err is None:
+            v1[ctl] = parent
+            _sweep(parent)
+        else:
+            why.append(f"cgroup v1 {ctl}: {err}")
+    if "memory" in v1:
+        names = " + ".join(["memory.limit_in_bytes"] + (["pids.max"] if "pids" in v1 else []))
+        return _CgroupSupport(1, v1, f"v1: {names} under {', '.join(str(p) for p in v1.values())}")
+    return _CgroupSupport(0, {}, "none: " + "; ".join(why))
+
+
+def cgroup_support() -> str:
+    """How sandbox runs are bounded as a group on this machine: ``"v2: ..."``, ``"v1: ..."`` or
+    ``"none: <why>"`` (probed once per process by creating and removing a test cgroup)."""
+    return _cgroup_support().describe
+
+
+class _Cgroup:
+    """One run's cgroup (a directory per hierarchy)."""
+
+    def __init__(self, support: _CgroupSupport, memory_bytes: int, pids: int):
+        self.version = support.version
+        name = f"{_CG_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self.dirs: list[Path] = []
+        try:
+            for parent in support.parents.values():
+                d = parent / name
+                d.mkdir()
+                self.dirs.append(d)
+            if self.version == 2:
+                d = self.dirs[0]
+                (d / "memory.max").write_text(str(memory_bytes))
+                if (d / "memory.swap.max").exists():
+                    (d / "memory.swap.max").write_text("0")
+                (d / "pids.max").write_text(str(pids))
+            else:
+                for d in self.dirs:
+                    if (d / "memory.limit_in_bytes").exists():
+                        (d / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                        if (d / "memory.memsw.limit_in_bytes").exists():
+                            (d / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+                    if (d / "pids.max").exists():
+                        (d / "pids.max").write_text(str(pids))
+        except OSError:
+            self.remove()
+            raise
+
+    @property
+    def procs(self) -> list[str]:
+        return [str(d / "cgroup.procs") for d in self.dirs]
+
+    def stats(self) -> dict[str, int]:
+        out = {"oom_kills": 0, "pids_max_hits": 0, "memory_peak_bytes": 0}
+        for d in self.dirs:
+            for fname, key, out_key in (
+                ("memory.events", "oom_kill", "oom_kills"),
+                ("memory.oom_control", "oom_kill", "oom_kills"),
+                ("pids.events", "max", "pids_max_hits"),
+            ):
+                try:
+                    for line in (d / fname).read_text().splitlines():
+                        k, _, v = line.partition(" ")
+                        if k == key and v.strip().isdigit():
+                            out[out_key] += int(v)
+                except OSError:
+                    pass
+            for fname in ("memory.peak", "memory.max_usage_in_bytes"):
+                try:
+                    out["memory_peak_bytes"] = max(out["memory_peak_bytes"], int((d / fname).read_text()))
+                except (OSError, ValueError):
+                    pass
+        return out
+
+    def remove(self) -> str | None:
+        """Kill whatever is left and remove the directories; a note when one could not be removed."""
+        deadline = time.monotonic() + 2.0
+        left = []
+        for d in self.dirs:
+            while True:
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        left.append(str(d))
+                        break
+                    self._kill(d)
+                    time.sleep(0.001)
+        return f"cgroup not removed: {', '.join(left)}" if left else None
+
+    @staticmethod
+    def _kill(d: Path) -> None:
+        try:
+            (d / "cgroup.kill").write_text("1")
+            return
+        except OSError:
+            pass
+        try:
+            pids = (d / "cgroup.procs").read_text().split()
+        except OSError:
+            return
+        for p in pids:
+            try:
+                os.kill(int(p), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
+
+# ----------------------------------------------------------------------------------------- reports
+
+
+def isolation_report(cfg: SandboxConfig | None = None) -> dict[str, str | bool]:
+    """What a sandboxed verifier gets on this machine, for ``flywheel init``/``status`` and the cycle.
+
+    Keys: ``mode`` (``netns``/``weak``), ``namespaces``, ``uid``, ``cgroup``, ``verdicts`` (what
+    becomes of ``python_tests``/``shell`` verdicts under ``cfg``), ``trusted`` (True when verdicts
+    are graded in full isolation), ``warning`` (empty when nothing is wrong).
+    """
+    cfg = cfg or SandboxConfig()
+    iso = isolation_mode()
+    strong = iso == "netns"
+    cg = cgroup_support() if cfg.cgroup != "off" else "none: disabled (sandbox.cgroup = off)"
+    if strong:
+        verdicts = "graded in namespaces; io-checkable python tests judged outside the sandbox"
+        warning = ""
+        if cg.startswith("none") and cfg.cgroup == "require":
+            verdicts = "infrastructure errors: sandbox.cgroup = require and no cgroup is writable"
+            warning = "python_tests/shell verdicts are infrastructure errors: " + cg
+        elif cg.startswith("none"):
+            warning = "no per-sandbox cgroup: memory is bounded per process only (" + cg[6:] + ")"
+    elif not cfg.allow_weak:
+        verdicts = "infrastructure errors (no isolation; sandbox.allow_weak = false)"
+        warning = f"python_tests/shell verdicts are infrastructure errors on this machine ({iso})"
+    else:
+        verdicts = "WEAK: forgeable by the candidate; " + (
+            "used as training data (sandbox.train_on_weak = true)" if cfg.train_on_weak else "never training data"
+        )
+        warning = f"python_tests/shell verdicts come from a weak sandbox and can be forged ({iso})"
+    return {
+        "mode": "netns" if strong else "weak",
+        "namespaces": "pid, mount, ipc, network (unshare)" if strong else iso,
+        "uid": "throwaway uid per run (grader: a second one)" if os.geteuid() == 0 else "the verifier's own uid",
+        "cgroup": cg,
+        "verdicts": verdicts,
+        "trusted": strong and not (cg.startswith("none") and cfg.cgroup == "require"),
+        "warning": warning,
+    }
 
 
 def discover_tests(tests: str) -> list[str]:
@@ -182,37 +569,63 @@ def run_python_tests(
     *,
     python: str | None = None,
     site_packages: bool = False,
+    grading: str = "auto",
 ) -> SandboxResult:
     """Run ``tests`` (Python source that imports the candidate as module ``solution``) against
-    ``candidate_code`` in a fresh sandbox. ``python`` defaults to this interpreter."""
+    ``candidate_code`` in a fresh sandbox. ``python`` defaults to this interpreter.
+
+    ``grading``: ``"auto"`` judges input -> expected-output tests outside the sandbox (``io``) and
+    runs any other tests beside the candidate (``in_process``); ``"io"`` raises ``ValueError`` when
+    the tests are not of that shape; ``"in_process"`` always runs them beside the candidate."""
+    if grading not in GRADINGS:
+        raise ValueError(f"grading must be one of {GRADINGS}, got {grading!r}")
     names = discover_tests(tests)
-    return _run(
-        mode="python",
-        candidate=candidate_code,
-        trusted={"tests": tests},
-        names=names,
-        cfg=cfg or SandboxConfig(),
-        python=python,
-        site_packages=site_packages,
-    )
+    plan: IOPlan | None = None
+    why_not = "grading = in_process"
+    if grading != "in_process":
+        try:
+            plan = compile_io(tests)
+            if plan.names != names:  # defensive: both parse the same source in the same order
+                raise NotIO("test names differ from discover_tests")
+        except NotIO as e:
+            if grading == "io":
+                raise ValueError(f"tests are not input -> expected-output checks: {e}") from None
+            plan, why_not = None, str(e)
+    cfg = cfg or SandboxConfig()
+    if plan is not None:
+        return _run(mode="io", candidate=candidate_code, names=names, cfg=cfg, python=python,
+                    site_packages=site_packages, extra=plan.driver_setup(), plan=plan, grading="io")
+    extra = {"test_source": tests, "test_imports": _test_imports(tests)}
+    return _run(mode="inproc", candidate=candidate_code, names=names, cfg=cfg, python=python,
+                site_packages=site_packages, extra=extra, plan=None, grading=f"in_process ({why_not})")
+
+
+def _test_imports(source: str) -> list[str]:
+    """Modules the tests import (except ``solution``): the in-process worker imports them before the
+    candidate exists. ``from a import b`` also lists ``a.b``, which may be a submodule."""
+    out: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append(node.module)
+            out += [f"{node.module}.{a.name}" for a in node.names if a.name != "*"]
+    return sorted({n for n in out if n.partition(".")[0] != "solution"})
 
 
 def run_shell(
     candidate_script: str, grader: str, cfg: SandboxConfig | None = None, *, python: str | None = None
 ) -> SandboxResult:
-    """Run ``candidate_script`` with bash in a fresh sandbox, then ``grader`` (a bash script, trusted)
-    in the same work directory once every candidate process is dead. Passes when the grader exits 0."""
+    """Run ``candidate_script`` with bash in a fresh sandbox; once every candidate process is dead,
+    run ``grader`` (a bash script, trusted) as another uid from an empty directory, with the
+    candidate's work dir read-only at ``$WORK``. Passes when the grader exits 0."""
     if not grader.strip():
         raise ValueError("shell grader is empty")
-    return _run(
-        mode="shell",
-        candidate=candidate_script,
-        trusted={"grader": grader},
-        names=["grader"],
-        cfg=cfg or SandboxConfig(),
-        python=python,
-        site_packages=False,
-    )
+    return _run(mode="shell", candidate=candidate_script, names=["grader"], cfg=cfg or SandboxConfig(),
+                python=python, site_packages=False, extra={"grader": grader}, plan=None, grading="grader")
+
+
+# --------------------------------------------------------------------------------------------- runs
 
 
 def _interpreter_dirs(python: str | None) -> list[str]:
@@ -249,204 +662,374 @@ def _limits(cfg: SandboxConfig) -> dict[str, int]:
     }
 
 
-def _read_head(path: Path, limit: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError:
-        return ""
+def _read_head(f, limit: int) -> str:
+    f.seek(0)
+    data = f.read(limit + 1)
     text = data[:limit].decode("utf-8", errors="replace")
     if len(data) > limit:
         text += "\n[... truncated]"
     return text
 
 
+def _feed(fd: int, data: bytes, deadline: float) -> None:
+    """Write the setup to the harness's stdin without ever blocking past ``deadline``."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    while view:
+        _, ready, _ = select.select([], [fd], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError("the sandbox did not read its setup")
+        view = view[os.write(fd, view[: 1 << 16]):]
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait for ``proc`` (a pidfd: woken the moment it exits; ``Popen.wait(timeout)`` polls with up
+    to 50 ms sleeps). True when it exited in time."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (OSError, AttributeError):
+        try:
+            proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    return bool(ready)
+
+
 def _run(
     *,
     mode: str,
     candidate: str,
-    trusted: dict[str, str],
     names: list[str],
     cfg: SandboxConfig,
     python: str | None,
     site_packages: bool,
+    extra: dict,
+    plan: IOPlan | None,
+    grading: str,
 ) -> SandboxResult:
-    t0 = time.perf_counter()
+    t0 = time.monotonic_ns()
     iso = isolation_mode()
     strong = iso == "netns"
-    nonce = secrets.token_hex(16)
-    root = Path(tempfile.mkdtemp(prefix="flywheel-sbx-"))  # 0700, owned by us
-    fallback_work = None if strong else Path(tempfile.mkdtemp(prefix="flywheel-sbx-work-"))
-    phases = 1 if mode == "python" else 2
-    phase_seconds = float(cfg.wall_seconds) / phases
-    setup = {
-        "nonce": nonce,
-        "mode": mode,
-        "tests": names,
-        "limits": _limits(cfg),
-        "mount_tmpfs": strong,
-        # Total scratch space: four maximal files' worth, at least 64 MiB.
-        "tmpfs_mb": max(64, 4 * int(cfg.max_file_mb)),
-        "drop_to_uid": (_UID_BASE + secrets.randbelow(_UID_SPAN)) if os.geteuid() == 0 else None,
-        "pid_namespace": strong,
-        "fallback_workdir": str(fallback_work) if fallback_work else "",
-        "expose": _interpreter_dirs(python),
-        "phase_seconds": phase_seconds,
+    root_user = os.geteuid() == 0
+    report: dict = {
+        "mode": "netns" if strong else "weak",
+        "namespaces": ("pid, mount, ipc" + (", network" if cfg.network == "none" else "")) if strong else iso,
+        "uid": "throwaway" if root_user else "the verifier's own uid",
+        "grading": grading,
     }
-    details: dict = {"nonce_records": 0}
-    if not strong and setup["drop_to_uid"] is not None and mode == "python":
-        # Without a mount namespace the private parent cannot be covered (see _expose in the harness):
-        # the sandbox uid could not import the stdlib, and every candidate would fail for our reasons.
-        hidden = [d for d in setup["expose"] if not _world_traversable(d)]
-        if hidden:
-            shutil.rmtree(root, ignore_errors=True)
-            if fallback_work is not None:
-                _rmtree_any_owner(fallback_work)
-            return _infra(
-                f"weak sandbox mode: interpreter dir {hidden[0]} is not readable by an unprivileged uid; "
-                "point flywheel.sandbox.PYTHON at a world-readable interpreter",
-                iso,
-                t0,
-            )
+    if not strong and not cfg.allow_weak:
+        return _infra(
+            f"no sandbox isolation on this machine ({iso}); a weak sandbox lets the candidate forge its "
+            "verdict, so this is an infrastructure error. Set sandbox.allow_weak = true to accept weak "
+            "verdicts (kept out of training unless sandbox.train_on_weak = true)",
+            iso, t0, report,
+        )
+    support = _cgroup_support() if cfg.cgroup != "off" else _CgroupSupport(0, {}, "none: disabled (sandbox.cgroup = off)")
+    cgroup: _Cgroup | None = None
+    if support.version:
+        try:
+            cgroup = _Cgroup(support, int(cfg.memory_mb) << 20, int(cfg.max_processes) + _PIDS_HEADROOM)
+        except OSError as e:
+            support = _CgroupSupport(0, {}, f"none: creating the run's cgroup failed ({e.strerror})")
+    report["cgroup"] = support.describe if cgroup is None else support.describe.split(" under ")[0]
+    if cgroup is None and cfg.cgroup == "require":
+        return _infra(f"sandbox.cgroup = require and {support.describe}", iso, t0, report)
+
+    uid = (_UID_BASE + secrets.randbelow(_UID_SPAN)) if root_user else None
+    grader_uid = None
+    if mode == "shell":
+        grader_uid = uid
+        while strong and grader_uid == uid:
+            grader_uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
+    fallback = None if strong else Path(tempfile.mkdtemp(prefix="flywheel-sbx-"))
+    phases = 2 if mode == "shell" else 1
+    setup: dict = {
+        "init_nonce": secrets.token_hex(16),
+        "mode": mode,
+        "tests": list(names),
+        "candidate": candidate,
+        "limits": _limits(cfg),
+        "strong": strong,
+        # Scratch space per tmpfs (/tmp and the work dir): four maximal files' worth, at least 64 MiB.
+        "tmpfs_mb": max(64, 4 * int(cfg.max_file_mb)),
+        "uid": uid,
+        "grader_uid": grader_uid,
+        "expose": _interpreter_dirs(python),
+        "phase_seconds": float(cfg.wall_seconds) / phases,
+        "cgroup_procs": cgroup.procs if cgroup else [],
+        "python": os.path.realpath(python or PYTHON),
+        "fallback_workdir": str(fallback / "work") if fallback else "",
+        "fallback_grader_base": str(fallback / "grader") if fallback else "",
+    }
+    setup.update(extra)
+    if mode == "inproc":
+        setup["tokens"] = [secrets.token_hex(16) for _ in names]
+        setup["done_token"] = secrets.token_hex(16)
+    if fallback is not None:
+        (fallback / "work").mkdir()
+        (fallback / "grader").mkdir()
+        if uid is not None:
+            os.chmod(fallback, 0o711)
+            hidden = [d for d in setup["expose"] if not _world_traversable(d)]
+            if hidden and mode != "shell":
+                # Without a mount namespace a private parent cannot be covered: the sandbox uid could
+                # not import the stdlib, and every candidate would fail for our reasons.
+                _cleanup(fallback, cgroup)
+                return _infra(
+                    f"weak sandbox mode: interpreter dir {hidden[0]} is not readable by an unprivileged uid; "
+                    "point flywheel.sandbox.PYTHON at a world-readable interpreter", iso, t0, report,
+                )
+    details: dict = {}
+    timings: dict[str, float] = {}
+    killed_reason = None
     try:
-        (root / "setup.json").write_text(json.dumps(setup))
-        (root / "candidate").write_text(candidate)
-        for name, text in trusted.items():
-            (root / name).write_text(text)
-        for p in root.iterdir():
-            os.chmod(p, 0o600)
-        init_path, tests_path = root / "init.rec", root / "tests.rec"
-        out_path, err_path = root / "stdout", root / "stderr"
         with (
-            open(init_path, "wb") as init_f,
-            open(tests_path, "wb") as tests_f,
-            open(out_path, "wb") as out_f,
-            open(err_path, "wb") as err_f,
+            tempfile.TemporaryFile() as init_f,
+            tempfile.TemporaryFile() as result_f,
+            tempfile.TemporaryFile() as out_f,
+            tempfile.TemporaryFile() as err_f,
         ):
             exe = python or PYTHON
             flags = ["-I"] if site_packages else ["-I", "-S"]
-            argv = [exe, *flags, str(_HARNESS), str(root), str(init_f.fileno()), str(tests_f.fileno())]
+            argv = [exe, *flags, "-c", _BOOT, str(init_f.fileno()), str(result_f.fileno())]
             if strong:
-                argv = [shutil.which("unshare") or "unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
-                if cfg.network == "none":
-                    argv.append("--net")
-                argv += [exe, *flags, str(_HARNESS), str(root), str(init_f.fileno()), str(tests_f.fileno())]
-            killed_reason = None
+                # --ipc: SysV segments and POSIX queues the candidate creates die with the run.
+                ns = ["--pid", "--fork", "--mount-proc", "--kill-child", "--ipc"] + (["--net"] if cfg.network == "none" else [])
+                argv = [shutil.which("unshare") or "unshare", *ns, *argv]
+            payload = marshal.dumps(setup, 4)
+            deadline = time.monotonic() + float(cfg.wall_seconds) + _GRACE_S * phases
+            t_spawn = time.monotonic_ns()
             try:
                 proc = subprocess.Popen(
                     argv,
-                    stdin=subprocess.DEVNULL,
+                    stdin=subprocess.PIPE,
                     stdout=out_f,
                     stderr=err_f,
-                    pass_fds=(init_f.fileno(), tests_f.fileno()),
+                    pass_fds=(init_f.fileno(), result_f.fileno()),
                     env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
-                    cwd=str(root),
+                    cwd="/",
                     start_new_session=True,  # its own process group, killed as a whole below
                     close_fds=True,
                 )
             except OSError as e:
-                return _infra(f"sandbox could not start: {e}", iso, t0)
+                return _infra(f"sandbox could not start: {e}", iso, t0, report)
             try:
-                proc.wait(timeout=float(cfg.wall_seconds) + _GRACE_S * phases)
-            except subprocess.TimeoutExpired:
-                killed_reason = "wall_timeout"
+                try:
+                    _feed(proc.stdin.fileno(), payload, deadline)
+                except (BrokenPipeError, TimeoutError):
+                    pass  # the harness died or hung before reading: no READY, an infrastructure error
+                finally:
+                    proc.stdin.close()
+                if not _wait(proc, max(0.0, deadline - time.monotonic())):
+                    killed_reason = "wall_timeout"
             finally:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
                 proc.wait()
-        init_recs = _records(init_path, nonce)
-        test_recs_raw = tests_path.read_bytes()[:_RECORD_LIMIT].decode("utf-8", errors="replace")
-        stdout = _read_head(out_path, _OUTPUT_LIMIT)
-        stderr = _read_head(err_path, _OUTPUT_LIMIT)
+                t_exit = time.monotonic_ns()
+                if cgroup is not None:
+                    details["cgroup"] = cgroup.stats()
+                    leak = cgroup.remove()
+                    if leak:
+                        details["cgroup_cleanup"] = leak
+            init_recs = _records(init_f, setup["init_nonce"])
+            result_f.seek(0)
+            result_raw = result_f.read(_RECORD_LIMIT).decode("utf-8", errors="replace")
+            stdout = _read_head(out_f, _OUTPUT_LIMIT)
+            stderr = _read_head(err_f, _OUTPUT_LIMIT)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
-        if fallback_work is not None:
-            _rmtree_any_owner(fallback_work)
+        if fallback is not None:
+            _rmtree_any_owner(fallback)
+        if cgroup is not None and "cgroup" not in details:
+            cgroup.remove()
 
-    duration = time.perf_counter() - t0
     if not any(r[0] == "READY" for r in init_recs):
-        setup_err = next((" ".join(r[1:]) for r in init_recs if r[0] == "SETUP_ERROR"), None)
+        setup_err = next((" ".join(r[1:-1]) for r in init_recs if r[0] == "SETUP_ERROR"), None)
         why = setup_err or (stderr.strip().splitlines() or ["no output"])[-1]
-        return _infra(f"sandbox did not start: {why}", iso, t0, stdout=stdout, stderr=stderr)
+        return _infra(f"sandbox did not start: {why}", iso, t0, report, stdout=stdout, stderr=stderr)
+    for tag, what in (("WORKER_SETUP_ERROR", "start its worker"), ("GRADER_SETUP_ERROR", "prepare the grader")):
+        err = next((" ".join(r[1:-1]) for r in init_recs if r[0] == tag), None)
+        if err:
+            return _infra(f"sandbox could not {what}: {err}", iso, t0, report, stdout=stdout, stderr=stderr)
+    stamps = {r[0]: int(r[-1]) for r in init_recs if r[-1].isdigit()}
+    start = next((int(r[1]) for r in init_recs if r[0] == "START" and r[1].isdigit()), None)
+    timings["prepare"] = (t_spawn - t0) / 1e6
+    if start is not None:
+        timings["interpreter_and_namespaces"] = (start - t_spawn) / 1e6
+        if "READY" in stamps:
+            timings["setup_in_sandbox"] = (stamps["READY"] - start) / 1e6
+    run_end = stamps.get("WORKER") or stamps.get("GRADER")
+    if "READY" in stamps and run_end:
+        timings["run"] = (run_end - stamps["READY"]) / 1e6
+    if "END" in stamps:
+        timings["teardown"] = (t_exit - stamps["END"]) / 1e6
 
     # The worker's fate as observed by trusted init: exit status, signal, or init's own deadline.
-    statuses = {r[0]: r[1:] for r in init_recs if r[0] in ("WORKER", "CANDIDATE", "GRADER")}
+    statuses = {r[0]: r[1:-1] for r in init_recs if r[0] in ("WORKER", "CANDIDATE", "GRADER")}
+    cg_stats = details.get("cgroup") or {}
     for tag, st in statuses.items():
         details[f"{tag.lower()}_status"] = " ".join(st)
         if st and st[0] == "TIMEOUT" and killed_reason is None:
             killed_reason = "wall_timeout"
         elif st and st[0] == "SIGNAL" and killed_reason is None:
-            killed_reason = _signal_reason(int(st[1]))
-
-    per_test: dict[str, str] = {n: "missing: no result recorded" for n in names}
-    passed_names: set[str] = set()
-    tampered: list[str] = []
-    done = False
-    if mode == "python":
-        seen: set[int] = set()
-        for line in test_recs_raw.splitlines():
-            parts = line.split(" ", 3)
-            if len(parts) < 3 or parts[0] != nonce:
-                if line.strip():
-                    tampered.append("record without the nonce")
-                continue
-            status, idx_s = parts[1], parts[2]
-            if status == "DONE":
-                done = True
-                continue
-            try:
-                idx = int(idx_s)
-                name = names[idx]
-            except (ValueError, IndexError):
-                tampered.append(f"record for unknown test index {idx_s!r}")
-                continue
-            if idx in seen:
-                tampered.append(f"duplicate record for {name}")
-                continue
-            seen.add(idx)
-            if status == "PASS":
-                per_test[name] = "passed"
-                passed_names.add(name)
+            sig = int(st[1])
+            if sig == signal.SIGKILL and cg_stats.get("oom_kills"):
+                killed_reason = "memory_limit (cgroup)"
             else:
-                per_test[name] = "failed: " + (parts[3] if len(parts) > 3 else status)
-        if not done:
-            tampered.append("the harness did not finish (no DONE record)")
+                killed_reason = _signal_reason(sig)
+    if killed_reason is None and cg_stats.get("oom_kills"):
+        killed_reason = "memory_limit (cgroup): a process of the sandbox was killed"
+
+    worker = statuses.get("WORKER")
+    missing = "missing: no result recorded" + (f" (worker {' '.join(worker).lower()})" if worker else "")
+    per_test: dict[str, str] = {n: missing for n in names}
+    integrity: list[str] = []
+    if mode == "io":
+        assert plan is not None
+        per_test, integrity = _judge_io(plan, result_raw, worker)
+    elif mode == "inproc":
+        per_test, integrity = _judge_inproc(names, setup["tokens"], setup["done_token"], result_raw, per_test)
     else:
         grader = statuses.get("GRADER")
         if grader == ["EXIT", "0"]:
             per_test["grader"] = "passed"
-            passed_names.add("grader")
-            done = True
         elif grader:
             per_test["grader"] = "failed: grader " + " ".join(grader).lower()
-        details["candidate_status"] = " ".join(statuses.get("CANDIDATE", ["unknown"]))
-
-    details["nonce_records"] = len(init_recs)
-    if tampered:
-        details["integrity"] = tampered[:10]
-    ok = not tampered and done and len(passed_names) == len(names) and killed_reason != "wall_timeout"
+        ready = next((r for r in init_recs if r[0] == "GRADER_READY"), None)
+        report["grader"] = (
+            f"uid {'separate' if grader_uid != uid else 'same as candidate'}, empty cwd, fresh /tmp, "
+            + ("$WORK read-only, symlinks " + ("not followed" if ready and ready[1] == "nosymfollow" else "followed")
+               if strong else "$WORK writable (weak)")
+        )
+    if integrity:
+        details["integrity"] = integrity[:10]
+        per_test = {n: "failed: result channel tampered with (" + integrity[0] + ")" for n in names}
+    n_passed = sum(1 for v in per_test.values() if v == "passed")
+    ok = not integrity and n_passed == len(names) and killed_reason != "wall_timeout"
+    timings["total"] = (time.monotonic_ns() - t0) / 1e6
+    details["timings_ms"] = {k: round(v, 2) for k, v in timings.items()}
     return SandboxResult(
         passed=ok,
         tests_total=len(names),
-        tests_passed=0 if tampered else len(passed_names),
+        tests_passed=n_passed,
         per_test=per_test,
         stdout=stdout,
         stderr=stderr,
-        duration_s=duration,
+        duration_s=(time.monotonic_ns() - t0) / 1e9,
         isolation=iso,
         infra_error=None,
         killed_reason=killed_reason,
         details=details,
+        report=report,
     )
 
 
-def _records(path: Path, nonce: str) -> list[list[str]]:
+def _judge_io(plan: IOPlan, raw: str, worker: list[str] | None) -> tuple[dict[str, str], list[str]]:
+    """Decode the driver's lines and apply the plan's checks. The lines were written by the
+    candidate's process: anything malformed, duplicated or out of range is tampering."""
+    integrity: list[str] = []
+    load_error: str | None = None
+    loaded = False
+    results: dict[int, tuple[str, object]] = {}
+    n = len(plan.calls)
+    for line in raw.splitlines():
+        if not line:
+            continue
+        head, _, rest = line.partition(" ")
+        try:
+            if head == "L" and not loaded and not results:
+                loaded = True
+                status, _, payload = rest.partition(" ")
+                if status == "raise":
+                    mro, msg = _decode_raise(payload)
+                    load_error = f"{mro[0] if mro else 'exception'}: {msg}"
+                elif status != "ok" or payload:
+                    raise ValueError("malformed load record")
+            elif head == "R" and loaded and load_error is None:
+                idx_s, _, rest2 = rest.partition(" ")
+                status, _, payload = rest2.partition(" ")
+                if not idx_s.isdigit() or int(idx_s) >= n:
+                    raise ValueError(f"result for unknown call {idx_s[:20]!r}")
+                idx = int(idx_s)
+                if idx in results:
+                    raise ValueError(f"second result for call {idx}")
+                if status == "ok":
+                    results[idx] = ("ok", decode_value(payload))
+                elif status == "raise":
+                    results[idx] = ("raise", _decode_raise(payload))
+                elif status == "bad":
+                    why = decode_value(payload)
+                    if not isinstance(why, str):
+                        raise ValueError("malformed bad record")
+                    results[idx] = ("bad", why[:200])
+                else:
+                    raise ValueError(f"unknown result status {status[:20]!r}")
+            else:
+                raise ValueError(f"unexpected record {line[:40]!r}")
+        except ValueError as e:
+            integrity.append(str(e))
+    if not loaded and not integrity:
+        load_error = "the candidate's process ended before importing solution" + (
+            f" (worker {' '.join(worker).lower()})" if worker else "")
+    return plan.judge(load_error, results), integrity
+
+
+def _decode_raise(payload: str) -> tuple[list[str], str]:
+    v = decode_value(payload)
+    if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], list) and isinstance(v[1], str)
+            and all(isinstance(x, str) for x in v[0])):
+        raise ValueError("malformed raise record")
+    return [x[:100] for x in v[0][:16]], v[1][:1000]
+
+
+def _judge_inproc(names: list[str], tokens: list[str], done_token: str, raw: str,
+                  per_test: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    integrity: list[str] = []
+    seen: set[int] = set()
+    done = False
+    for line in raw.splitlines():
+        if not line:
+            continue
+        parts = line.split(" ", 2)
+        kind = parts[0]
+        if kind == "DONE" and len(parts) == 2 and not done and hmac.compare_digest(parts[1], done_token):
+            done = True
+            continue
+        if kind in ("PASS", "FAIL") and len(parts) >= 2 and parts[1].isdigit() and int(parts[1]) < len(names) and not done:
+            idx = int(parts[1])
+            if idx in seen:
+                integrity.append(f"second record for {names[idx]}")
+                continue
+            seen.add(idx)
+            if kind == "PASS":
+                if len(parts) == 3 and hmac.compare_digest(parts[2], tokens[idx]):
+                    per_test[names[idx]] = "passed"
+                else:
+                    integrity.append(f"PASS record for {names[idx]} without its token")
+            else:
+                per_test[names[idx]] = "failed: " + (parts[2] if len(parts) > 2 else "")
+            continue
+        integrity.append(f"unexpected record {line[:40]!r}")
+    if not done and not integrity:
+        for n in names:
+            if per_test[n] == "passed":
+                per_test[n] = "failed: the harness did not finish (no DONE record)"
+    return per_test, integrity
+
+
+def _records(f, nonce: str) -> list[list[str]]:
+    f.seek(0)
     out = []
-    for line in path.read_bytes()[:_RECORD_LIMIT].decode("utf-8", errors="replace").splitlines():
+    for line in f.read(_RECORD_LIMIT).decode("utf-8", errors="replace").splitlines():
         parts = line.split(" ")
-        if len(parts) >= 2 and parts[0] == nonce:
+        if len(parts) >= 3 and parts[0] == nonce:
             out.append(parts[1:])
     return out
 
@@ -465,7 +1048,7 @@ def _signal_reason(sig: int) -> str:
     return names.get(sig, default)
 
 
-def _infra(msg: str, iso: str, t0: float, *, stdout: str = "", stderr: str = "") -> SandboxResult:
+def _infra(msg: str, iso: str, t0: int, report: dict, *, stdout: str = "", stderr: str = "") -> SandboxResult:
     return SandboxResult(
         passed=False,
         tests_total=0,
@@ -473,11 +1056,19 @@ def _infra(msg: str, iso: str, t0: float, *, stdout: str = "", stderr: str = "")
         per_test={},
         stdout=stdout,
         stderr=stderr,
-        duration_s=time.perf_counter() - t0,
+        duration_s=(time.monotonic_ns() - t0) / 1e9,
         isolation=iso,
         infra_error=msg,
         killed_reason=None,
+        report=report,
     )
+
+
+def _cleanup(fallback: Path | None, cgroup: _Cgroup | None) -> None:
+    if fallback is not None:
+        _rmtree_any_owner(fallback)
+    if cgroup is not None:
+        cgroup.remove()
 
 
 def _rmtree_any_owner(path: Path) -> None:
@@ -492,3 +1083,4 @@ def _rmtree_any_owner(path: Path) -> None:
             pass
 
     shutil.rmtree(path, onerror=onerror)
+

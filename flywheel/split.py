@@ -1,34 +1,47 @@
-"""Stable train / held-out split of evals by failure cluster.
+"""Stable train / held-out split of production traffic by request cluster.
 
-A model must never be gated on a near-copy of what it trained on, so evals are split by *cluster*,
-not one by one: near-identical requests share a cluster and a cluster lives on one side only.
+A model must never be gated on a near-copy of what it trained on, so traffic is split by *cluster*,
+not item by item: near-identical requests share a cluster and a cluster lives on one side only.
+Failures and successes are placed by the same index, so a held-out cluster holds both: the held-out
+suite measures the fix rate (failures) and the keep rate (successes) of a challenger.
 
-How a failure is placed (:meth:`SplitIndex.assign`):
+What a request is clustered on: **what varies between an agent's requests**, not what they share.
+A production agent sends the same long system prompt and tool list with every request; clustered on
+that text, every request of the agent looks alike (a 1,400-character system prompt and 68 distinct
+travel questions made one cluster, hence an empty held-out suite). So:
 
-1. Its **request text** (:func:`request_text`) is the system and user turns of its prompt plus the
-   sorted names of the offered tools, normalised (NFKC, casefolded, every run of non-alphanumerics
-   collapsed to one space). Assistant and tool turns are left out: two users asking the same thing
-   are the same request whatever the agent answered.
-2. **Exact match**: the SHA-256 of that text (``request_hash``) equal to a placed eval's -> the same
-   cluster.
-3. **Near match**: MinHash (128 permutations over character 5-grams, datasketch) with LSH candidate
+- the **text** (:func:`request_text`) is the user turns only, normalised (NFKC, casefolded, every
+  run of non-alphanumerics collapsed to one space); the system prompt and the assistant and tool
+  turns are left out. A request with no user text falls back to its system text;
+- the **tool names** (:func:`tool_names`) are a separate feature: two requests can share a cluster
+  only if their offered tool-name sets overlap (Jaccard >= :data:`TOOL_JACCARD`), or neither offers
+  tools. The same question put to two different agents is two requests.
+
+How a request is placed (:meth:`SplitIndex.assign`):
+
+1. **Exact match**: the SHA-256 of the text and the sorted tool names (``request_hash``) equal to a
+   placed request's -> the same cluster.
+2. **Near match**: MinHash (128 permutations over character 5-grams, datasketch) with LSH candidate
    search at a *lower* threshold than ``cluster_jaccard`` (recall first), then every candidate is
-   confirmed by its estimated Jaccard >= ``cluster_jaccard``. Character 5-grams rather than word
-   shingles because production requests are short ("Weather in Oslo?" has 3 words but 12 5-grams).
-4. No match -> a **new cluster**, named ``c-<request_hash[:16]>`` after its founding member, dealt
+   confirmed by its estimated Jaccard >= ``cluster_jaccard`` and by its tool names. Character
+   5-grams rather than word shingles because production requests are short ("Weather in Oslo?" has
+   3 words but 12 5-grams).
+3. No match -> a **new cluster**, named ``c-<request_hash[:16]>`` after its founding member, dealt
    to held-out when ``sha256(split_seed, cluster) / 2**64 < heldout_fraction``, else train. The deal
-   depends only on the cluster name and the seed, never on how many failures exist or their order.
-5. Near matches on **both** sides (a request that bridges a train and a held-out cluster) -> split
+   depends only on the cluster name and the seed, never on how much traffic exists or its order.
+4. Near matches on **both** sides (a request that bridges a train and a held-out cluster) -> split
    ``"excluded"``: it is in neither suite, because whichever side took it would hold a near-copy of
    the other side. It founds its own cluster; later near-copies of it are excluded too.
 
 Guarantees
-- Once placed, a failure's split and cluster never change: the placement is recorded in its
-  ``eval.created`` event and :meth:`SplitIndex.add_existing` reloads it on every build.
-- Within one build, failures are placed in a deterministic order (the caller sorts them), so the
+- Once placed, a request's split and cluster never change: the placement is recorded in its
+  ``eval.created`` event and :meth:`SplitIndex.add_existing` reloads it on every build (placements
+  recorded under an earlier :data:`REQUEST_TEXT_VERSION` keep their side; only new requests are
+  compared with the current text).
+- Within one build, requests are placed in a deterministic order (the caller sorts them), so the
   same inputs always give the same placements.
-- Train and held-out never share a cluster, and no new failure joins a side whose other side it
-  near-matches (rule 5).
+- Train and held-out never share a cluster, and no new request joins a side whose other side it
+  near-matches (rule 4).
 
 Not guaranteed
 - Near matches are estimated: two requests whose true 5-gram Jaccard is within ~0.1 of the
@@ -36,7 +49,11 @@ Not guaranteed
   ``sqrt(J(1-J)/128)`` ~ 0.04 at J = 0.7).
 - Clusters do not merge retroactively: if A and C were placed apart and a later B is close to both,
   A and C stay where they were (B is then excluded when they are on different sides).
-- Semantic paraphrases with little surface overlap are not detected (no embeddings here).
+- Semantic paraphrases with little surface overlap are not detected (no embeddings here), and
+  requests that differ only in their system prompt (a per-user templated system prompt) are treated
+  as one request: over-clustering, which can only shrink the held-out side, never leak into it.
+- The held-out share is ``heldout_fraction`` in expectation over clusters; a handful of large
+  clusters makes it lumpy.
 """
 
 from __future__ import annotations
@@ -53,10 +70,14 @@ from typing import Any
 from datasketch import MinHash, MinHashLSH
 
 #: Bump when :func:`request_text` changes. Placements already recorded keep their split regardless.
-REQUEST_TEXT_VERSION = 1
+#: 1: system + user turns + tool names in one text; 2: user turns only, tool names a separate feature.
+REQUEST_TEXT_VERSION = 2
 NUM_PERM = 128
 SHINGLE = 5
 SPLITS = ("train", "heldout", "excluded")
+#: Two requests can share a cluster only when their tool-name sets overlap at least this much
+#: (Jaccard), or neither offers tools: the same words put to a different agent are another request.
+TOOL_JACCARD = 0.5
 
 _NON_ALNUM = re.compile(r"[\W_]+", re.UNICODE)
 
@@ -88,21 +109,41 @@ def normalise(text: str) -> str:
 
 
 def request_text(messages: Iterable[dict], tools: Iterable[dict] | None = None) -> str:
-    """The normalised request a failure is clustered on: system + user turns, then tool names."""
-    parts = [
-        _content_text(m.get("content"))
-        for m in messages
-        if isinstance(m, dict) and m.get("role") in ("system", "user")
-    ]
-    names = sorted({_tool_name(t) for t in (tools or [])} - {""})
-    text = normalise(" ".join(parts))
-    if names:
-        text += " | tools " + " ".join(normalise(n) for n in names)
+    """The normalised text a request is clustered on: its user turns (see the module docstring).
+
+    ``tools`` is accepted for symmetry with :func:`request_hash` callers and ignored: tool names are
+    a separate feature (:func:`tool_names`), never part of the shingled text.
+    """
+    msgs = [m for m in messages if isinstance(m, dict)]
+    user = [_content_text(m.get("content")) for m in msgs if m.get("role") == "user"]
+    text = normalise(" ".join(user))
+    if not text:  # a request with no user text: its system text is all that varies
+        text = normalise(" ".join(_content_text(m.get("content")) for m in msgs if m.get("role") == "system"))
     return text
 
 
-def request_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def tool_names(tools: Iterable[dict] | None) -> tuple[str, ...]:
+    """Sorted, normalised names of the offered tools."""
+    return tuple(sorted({normalise(_tool_name(t)) for t in (tools or [])} - {""}))
+
+
+def request_key(messages: Iterable[dict], tools: Iterable[dict] | None = None) -> tuple[str, tuple[str, ...]]:
+    """``(request_text, tool_names)``: what :meth:`SplitIndex.assign` places."""
+    msgs = list(messages)
+    return request_text(msgs), tool_names(tools)
+
+
+def request_hash(text: str, tools: tuple[str, ...] = ()) -> str:
+    """SHA-256 of the request text and its tool names (exact-duplicate key)."""
+    body = text if not tools else text + "\x1f" + "\x1f".join(tools)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def _tools_compatible(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    if not a and not b:
+        return True
+    sa, sb = set(a), set(b)
+    return len(sa & sb) / len(sa | sb) >= TOOL_JACCARD
 
 
 def shingles(text: str, k: int = SHINGLE) -> set[str]:
@@ -144,7 +185,7 @@ def deal(cluster: str, seed: str, heldout_fraction: float) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one failure landed. ``new`` is false when it came from the store (never re-dealt)."""
+    """Where one request landed. ``new`` is false when it came from the store (never re-dealt)."""
 
     key: str
     cluster: str
@@ -156,10 +197,10 @@ class Placement:
 
 @dataclass
 class SplitIndex:
-    """Placements of every eval known so far; assigns new failures.
+    """Placements of every request known so far; assigns new ones.
 
     ``add_existing`` every recorded placement first (from ``eval.created`` events), then ``assign``
-    new failures in a deterministic order.
+    new requests (failures and successes alike) in a deterministic order.
     """
 
     heldout_fraction: float
@@ -175,49 +216,53 @@ class SplitIndex:
         # threshold (the S-curve), so search at J - 0.2 and confirm each candidate exactly.
         self._lsh = MinHashLSH(threshold=max(0.1, self.jaccard - 0.2), num_perm=self.num_perm)
         self._sigs: dict[str, MinHash] = {}
+        self._tools: dict[str, tuple[str, ...]] = {}
         self._by_hash: dict[str, str] = {}  # request_hash -> key of its first placement
 
-    def _index(self, key: str, text: str, placement: Placement) -> None:
+    def _index(self, key: str, text: str, tools: tuple[str, ...], placement: Placement) -> None:
         self.placements[key] = placement
         self._by_hash.setdefault(placement.request_hash, key)
         sig = signature(text, self.num_perm)
         self._sigs[key] = sig
+        self._tools[key] = tools
         self._lsh.insert(key, sig)
 
-    def add_existing(self, key: str, text: str, cluster: str, split: str) -> Placement:
+    def add_existing(self, key: str, text: str, cluster: str, split: str, tools: tuple[str, ...] = ()) -> Placement:
         """Record a placement made by an earlier build. It is never changed."""
         if split not in SPLITS:
             raise ValueError(f"{key}: recorded split {split!r} is not one of {SPLITS}")
         if key in self.placements:
             return self.placements[key]
-        p = Placement(key, cluster, split, request_hash(text), new=False)
-        self._index(key, text, p)
+        p = Placement(key, cluster, split, request_hash(text, tools), new=False)
+        self._index(key, text, tools, p)
         return p
 
-    def near(self, text: str) -> list[tuple[float, str]]:
-        """Placed keys whose estimated Jaccard with ``text`` is >= the threshold, best first."""
+    def near(self, text: str, tools: tuple[str, ...] = ()) -> list[tuple[float, str]]:
+        """Placed keys whose estimated Jaccard with ``text`` is >= the threshold and whose tool names
+        are compatible (:data:`TOOL_JACCARD`), best first."""
         if not self._sigs:
             return []
         sig = signature(text, self.num_perm)
         hits = []
         for key in self._lsh.query(sig):
             j = sig.jaccard(self._sigs[key])
-            if j >= self.jaccard:
+            if j >= self.jaccard and _tools_compatible(tools, self._tools[key]):
                 hits.append((j, key))
         hits.sort(key=lambda h: (-h[0], h[1]))
         return hits
 
-    def assign(self, key: str, text: str) -> Placement:
-        """Place ``key`` (a failure id) whose request text is ``text``; idempotent per key."""
+    def assign(self, key: str, text: str, tools: tuple[str, ...] = ()) -> Placement:
+        """Place ``key`` (a failure or trace id) whose request is ``text`` offering ``tools``
+        (:func:`request_key`); idempotent per key."""
         if key in self.placements:
             return self.placements[key]
-        h = request_hash(text)
+        h = request_hash(text, tools)
         if h in self._by_hash:
             twin = self.placements[self._by_hash[h]]
             p = Placement(key, twin.cluster, twin.split, h, new=True, matched=(twin.cluster,))
-            self._index(key, text, p)
+            self._index(key, text, tools, p)
             return p
-        hits = self.near(text)
+        hits = self.near(text, tools)
         clusters: dict[str, str] = {}
         for _, k in hits:  # best first: the first cluster seen is the closest one
             clusters.setdefault(self.placements[k].cluster, self.placements[k].split)
@@ -235,5 +280,5 @@ class SplitIndex:
                 p = Placement(key, f"c-{h[:16]}", "excluded", h, new=True, matched=tuple(clusters))
             else:
                 p = Placement(key, cluster, side, h, new=True, matched=tuple(clusters))
-        self._index(key, text, p)
+        self._index(key, text, tools, p)
         return p

@@ -44,8 +44,9 @@ Validation (:func:`validate_candidates`)
 
 Deduplication and decontamination (:mod:`flywheel.dedup` does the text work)
 ----------------------------------------------------------------------------
-A task's **request** is its system and user turns, normalised (whitespace, case, punctuation,
-number formatting). Against everything already in the training environment (seeds and every earlier
+A task's **request** is its user turns (its system turns only when it has no user text: an agent's
+system prompt is shared by all its requests), normalised (whitespace, case, punctuation, number
+formatting). Against everything already in the training environment (seeds and every earlier
 batch's accepted tasks) and the batch's own earlier accepted candidates:
 
 - **exact duplicate**: same normalised request and same set of offered tools;
@@ -162,10 +163,15 @@ def _content(m: dict) -> str:
 
 
 def request_text(task: dict) -> str:
-    """The system and user turns of the task's prompt (raw; normalise with
-    :func:`flywheel.dedup.normalize_text`)."""
-    msgs = (task.get("prompt") or {}).get("messages") or []
-    return "\n".join(_content(m) for m in msgs if isinstance(m, dict) and m.get("role") in ("system", "user"))
+    """The user turns of the task's prompt, raw (normalise with :func:`flywheel.dedup.normalize_text`);
+    the system turns when there is no user text. An agent's long system prompt is the same in every
+    request: compared with it, every variant would look like a near-copy of every other (the same
+    rule as the train/held-out split, :mod:`flywheel.split`)."""
+    msgs = [m for m in (task.get("prompt") or {}).get("messages") or [] if isinstance(m, dict)]
+    user = "\n".join(_content(m) for m in msgs if m.get("role") == "user")
+    if user.strip():
+        return user
+    return "\n".join(_content(m) for m in msgs if m.get("role") == "system")
 
 
 def tool_key(task: dict) -> str:
@@ -321,8 +327,7 @@ def _new_task(seed: dict, *, messages: list[dict], tools: list[dict], expected: 
         if expected is not None:
             verifier["expected"] = expected
     meta = dict(seed.get("metadata") or {})
-    from flywheel.split import request_hash
-    from flywheel.split import request_text as split_request_text
+    from flywheel.split import request_hash, request_key
 
     meta.update({
         "source": "synth",
@@ -333,7 +338,7 @@ def _new_task(seed: dict, *, messages: list[dict], tools: list[dict], expected: 
         "generator_params": params,
         "synth_detail": detail,
         "tools": sorted({_tool_name(t) for t in tools} - {""}),
-        "request_hash": request_hash(split_request_text(messages, tools)),
+        "request_hash": request_hash(*request_key(messages, tools)),
         "synth_version": SYNTH_VERSION,
     })
     task = {
@@ -1081,7 +1086,7 @@ def _protected_texts(store: EventStore, suite: Any) -> list[tuple[str, str]]:
         if fid:
             ent = store.entity(fid)
             msgs = ((ent or {}).get("state") or {}).get("messages") or []
-            text = "\n".join(_content(m) for m in msgs if isinstance(m, dict) and m.get("role") in ("system", "user"))
+            text = request_text({"prompt": {"messages": msgs}})
             if text and normalize_text(text) != normalize_text(out[-1][1]):
                 out.append((fid, text))
     return out
@@ -1176,15 +1181,78 @@ def batch_id(*, env_name: str, suites: Sequence[str], seeds: Sequence[dict], gen
     })
 
 
-def _previous_synth_tasks(store: EventStore, artifacts: Any, exclude_batch: str) -> list[dict]:
+def _previous_synth_tasks(store: EventStore, artifacts: Any, exclude_batch: str | None = None) -> list[dict]:
+    return [t for _, tasks in _batch_tasks(store, artifacts, exclude_batch) for t in tasks]
+
+
+def _batch_tasks(store: EventStore, artifacts: Any, exclude_batch: str | None = None) -> list[tuple[Any, list[dict]]]:
+    """(``synth.batch_accepted`` event, its accepted tasks) of every recorded batch."""
     out = []
     for ev in store.read(stream="synth:*", types="synth.batch_accepted"):
         if ev.payload.get("entity_id") == exclude_batch:
             continue
         ref = ev.payload.get("accepted_artifact") or {}
+        tasks = []
         if ref.get("sha256") and ref.get("rows"):
             tbl = artifacts.read_table(ref["sha256"], columns=["task_json"])
-            out.extend(json.loads(x) for x in tbl.column("task_json").to_pylist())
+            tasks = [json.loads(x) for x in tbl.column("task_json").to_pylist()]
+        out.append((ev, tasks))
+    return out
+
+
+def contaminated_by_synthetic(store: EventStore, artifacts: Any, items: list[dict], scfg: Any) -> dict[str, str]:
+    """Which of ``items`` (eval tasks about to be held out) are exact, near or long-n-gram copies of a
+    recorded synthetic task: ``{item task id: synthetic task id}``.
+
+    The evals stage asks before a new item joins the held-out suite: a model already trained on a
+    synthetic near-copy of it must not be gated on it (the same tests, the other way round, as
+    :func:`decontaminate` applies to new candidates)."""
+    if not items:
+        return {}
+    synthetic = _previous_synth_tasks(store, artifacts)
+    if not synthetic:
+        return {}
+    protected = [(t["task_id"], request_text(t)) for t in synthetic]
+    cands = [Candidate(task=t, generator="heldout", seed_ids=[t["task_id"]]) for t in items]
+    _, rejected = decontaminate(cands, protected, jaccard_threshold=scfg.contamination_jaccard,
+                                ngram=scfg.contamination_ngram)
+    return {r.task_id: str(r.matched) for r in rejected}
+
+
+def reattest_batches(cfg: Any, store: EventStore, artifacts: Any, suite: Any, *,
+                     correlation_id: str | None = None) -> dict[str, Any]:
+    """Check every recorded batch that was not decontaminated against ``suite`` (a held-out suite
+    version that grew since) against it, and record the result as ``synth.batch_rechecked``.
+
+    A batch whose accepted tasks are all clean gets ``suite`` added to its ``decontaminated_against``
+    (the gate's decontamination rule reads it); a batch with a contaminated task keeps its list and
+    records the pairs (``contaminated``), so a gate on ``suite`` refuses any model trained on it and
+    says why. The evals stage keeps new held-out items away from recorded synthetic tasks
+    (:func:`contaminated_by_synthetic`), so the second case needs thresholds changed in between.
+    """
+    ref = str(suite.entity_id)
+    protected = _protected_texts(store, suite)
+    out: dict[str, Any] = {"rechecked": [], "contaminated": {}}
+    for ev, tasks in _batch_tasks(store, artifacts):
+        bid = ev.stream
+        latest = store.read(stream=bid)[-1]
+        done = list(latest.payload.get("decontaminated_against") or [])
+        if ref in done:
+            continue
+        cands = [Candidate(task=t, generator=str((t.get("metadata") or {}).get("generator")),
+                           seed_ids=[str((t.get("metadata") or {}).get("seed_task"))]) for t in tasks]
+        _, rejected = decontaminate(cands, protected, jaccard_threshold=cfg.synth.contamination_jaccard,
+                                    ngram=cfg.synth.contamination_ngram)
+        pairs = [[r.task_id, r.matched] for r in rejected]
+        payload = {**latest.payload, "rechecked_against": ref, "contaminated": pairs,
+                   "decontaminated_against": done if pairs else [*done, ref]}
+        # No causation: an edge to the held-out suite would put it in the lineage of every model
+        # trained on this batch, which is what decontamination forbids.
+        store.append(bid, NewEvent("synth.batch_rechecked", payload, []),
+                     expected_version=latest.stream_version, correlation_id=correlation_id)
+        out["rechecked"].append(bid)
+        if pairs:
+            out["contaminated"][bid] = pairs[:20]
     return out
 
 
@@ -1252,6 +1320,10 @@ def run_synth(
     except LookupError:
         suite = None
     heldout_ref = suite.entity_id if suite else None
+    if suite is not None:
+        # Batches accepted against an older held-out version (carried over in the environment, and in
+        # the lineage of models trained on them) are checked against the items added since.
+        reattest_batches(cfg, store, artifacts, suite, correlation_id=correlation_id)
     difficulty_on = policy is not None and scfg.difficulty_samples > 0
     policy_id = f"{getattr(policy, 'name', '?')}@{getattr(policy, 'version', '?')}" if policy is not None else None
     settings = {

@@ -88,6 +88,43 @@ def reserve_stdout_for_json() -> None:
     _json_out = os.fdopen(fd, "w")
 
 
+@contextmanager
+def third_party_output_to(log_path: os.PathLike[str] | str) -> Iterator[None]:
+    """Send everything others write to file descriptors 1 and 2 (library INFO logs, warnings,
+    conversion progress bars, DeepSpeed's banner, child processes) to ``log_path``, while flywheel's
+    own consoles (:data:`console`, :data:`out`; :func:`emit_json` under ``--json``) keep the terminal.
+
+    At the descriptor level, so C extensions and child processes are covered too; restored on exit.
+    """
+    from pathlib import Path
+
+    path = Path(log_path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    term_out = os.fdopen(os.dup(saved_out), "w", buffering=1)
+    term_err = os.fdopen(os.dup(saved_err), "w", buffering=1)
+    old_files = console._file, out._file
+    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    console.file, out.file = term_err, term_out
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_out, 1)
+        os.dup2(saved_err, 2)
+        os.close(saved_out)
+        os.close(saved_err)
+        console._file, out._file = old_files
+        term_out.close()
+        term_err.close()
+
+
 def emit_json(data: Any) -> None:
     stream = _json_out or sys.stdout
     stream.write(json.dumps(data, indent=2, default=str, sort_keys=False) + "\n")

@@ -19,6 +19,19 @@ from flywheel.cli.common import (
     print_table,
 )
 
+
+def _sandbox_rows(report: dict) -> list[tuple[str, str]]:
+    return [("sandbox isolation", f"{report['mode']}: {report['namespaces']}"),
+            ("sandbox uid", str(report["uid"])),
+            ("sandbox cgroup", str(report["cgroup"])),
+            ("sandboxed verdicts", str(report["verdicts"]))]
+
+
+def _warn_sandbox(report: dict) -> None:
+    if report.get("warning"):
+        console.print(f"[bold red]WARNING (sandbox):[/] {report['warning']}")
+
+
 warehouse_app = typer.Typer(help="The DuckDB warehouse: rebuild projections, export Parquet, recover.", no_args_is_help=True)
 
 
@@ -33,8 +46,10 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def init(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) -> None:
-    """Create the home directory, the warehouse (migrations applied) and the artifact store."""
+    """Create the home directory, the warehouse (migrations applied) and the artifact store, and say
+    which sandbox isolation python_tests/shell verifiers get on this machine."""
     from flywheel.artifacts import open_artifacts
+    from flywheel.sandbox import isolation_report
     from flywheel.store import open_store
 
     cfg = load(home, config)
@@ -49,16 +64,19 @@ def init(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) 
         "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
         "events": counts["events"],
     }
+    sandbox = isolation_report(cfg.sandbox)
     if as_json:
-        emit_json(info)
+        emit_json({**info, "sandbox": sandbox})
     else:
-        print_table("flywheel initialised", ["what", "where"], [(k, v) for k, v in info.items()])
+        print_table("flywheel initialised", ["what", "where"], [(k, v) for k, v in info.items()] + _sandbox_rows(sandbox))
+        _warn_sandbox(sandbox)
 
 
 @handle_errors
 def status(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt,
            last: int = typer.Option(10, help="How many recent events to show.")) -> None:
-    """Counts per entity type, the last events, and where everything lives."""
+    """Counts per entity type, the last events, where everything lives, and the sandbox isolation."""
+    from flywheel.sandbox import isolation_report
     from flywheel.store import open_store
 
     cfg = load(home, config)
@@ -76,6 +94,7 @@ def status(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt
         "recent_events": [
             {"seq": e.seq, "type": e.type, "stream": e.stream, "recorded_at": str(e.recorded_at)} for e in recent
         ],
+        "sandbox": isolation_report(cfg.sandbox),
     }
     if as_json:
         emit_json(data)
@@ -84,6 +103,8 @@ def status(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt
     print_table(f"entities ({n_events} events)", ["kind", "count"], sorted(counts.items()))
     print_table("recent events", ["seq", "type", "stream", "recorded at"],
                 [(e["seq"], e["type"], e["stream"], e["recorded_at"][:19]) for e in data["recent_events"]])
+    print_table("sandbox", ["what", "value"], _sandbox_rows(data["sandbox"]))
+    _warn_sandbox(data["sandbox"])
 
 
 @handle_errors

@@ -86,6 +86,8 @@ class StageDisplay:
             text = f"step {info['step']}/{info.get('total')}" + (f", loss {loss:.4f}" if isinstance(loss, float) else "")
         elif status == "failed":
             text = f"[red]failed: {info.get('error')}[/]"
+        elif status == "warning":
+            text = f"[bold yellow]warning:[/] {info.get('warning')}"
         else:
             text = status + "".join(f", {k} {v}" for k, v in info.items() if k != "status" and v is not None)
         self.rows[stage] = text
@@ -101,9 +103,26 @@ class StageDisplay:
                 self._last_key, self._last_print = key, now
 
 
+def sandbox_warning(result: dict) -> str | None:
+    """The loud line for a cycle whose sandboxed verifiers were weak, or whose rewards were dropped."""
+    st = result.get("stages", {})
+    sb = st.get("sandbox") or {}
+    parts = [sb["warning"]] if sb.get("warning") else []
+    for key in ("rollouts", "rollouts_after_sft"):
+        s = (st.get(key) or {}).get("stats") or {}
+        if s.get("untrainable"):
+            parts.append(f"{key}: {s['untrainable']} samples kept out of training (weak-sandbox verdicts)")
+        if s.get("infra_errors"):
+            parts.append(f"{key}: {s['infra_errors']} samples had verifier infrastructure errors")
+    return "; ".join(parts) or None
+
+
 def print_cycle_summary(result: dict) -> None:
     st = result.get("stages", {})
     rows = []
+    if st.get("sandbox"):
+        sb = st["sandbox"]
+        rows.append(("sandbox", f"{sb.get('mode')}, cgroup {str(sb.get('cgroup', '')).split(':')[0]}: {sb.get('verdicts')}"))
     if "ingest" in st:
         i = st["ingest"]
         rows.append(("ingest", f"{i.get('read')} read, {i.get('ingested')} ingested, {i.get('quarantined')} quarantined, "
@@ -111,6 +130,12 @@ def print_cycle_summary(result: dict) -> None:
     rows.append(("new failures", str(st.get("new_failures"))))
     if "evals" in st:
         rows.append(("evals", f"{st['evals'].get('splits')}"))
+        h = st["evals"].get("heldout") or {}
+        if h:
+            rows.append(("held-out suite", f"{h.get('items')} items: {h.get('failures')} failures (fix rate), "
+                                           f"{h.get('successes')} successes (keep rate)"))
+        for w in st["evals"].get("warnings") or []:
+            rows.append(("[bold yellow]warning[/]", w))
     if "synth" in st:
         c = st["synth"].get("counts") or st["synth"].get("funnel") or {}
         rows.append(("synth", ", ".join(f"{k} {v}" for k, v in c.items())))
@@ -127,10 +152,18 @@ def print_cycle_summary(result: dict) -> None:
             rows.append((key, s.get("skipped") or f"{s.get('model_entity')} after {s.get('steps')} steps, loss {s.get('metrics', {}).get('loss')}"))
     if "gate" in st:
         g = st["gate"]
-        rows.append(("gate", ("PASSED" if g.get("passed") else "REFUSED") + (": " + "; ".join(g.get("reasons") or []) if g.get("reasons") else "")))
+        outcome = g.get("outcome") or ("passed" if g.get("passed") else "refused")
+        p = (g.get("numbers") or {}).get("p_value")
+        head = outcome.replace("_", " ").upper() + (f" (p = {p:.4g})" if isinstance(p, float) else "")
+        rows.append(("gate", head + (": " + "; ".join(g.get("reasons") or []) if g.get("reasons") else "")))
     rows.append(("outcome", f"{result.get('outcome')}: {result.get('reason')}"))
     rows.append(("wall time", f"{result.get('wall_s')} s"))
     print_table(f"cycle {result.get('cycle')}", ["stage", "result"], rows)
+    warning = sandbox_warning(result)
+    if warning:
+        from rich.panel import Panel
+
+        console.print(Panel(warning, title="WARNING: reward integrity", border_style="bold red"), soft_wrap=False)
 
 
 @handle_errors

@@ -58,9 +58,15 @@ def evals_build(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = Js
                 [(x["suite"], x["members"], "yes" if x["new_version"] else "no") for x in data["suites"]])
     if data["skipped"]:
         print_table("skipped", ["reason", "count"], sorted(data["skipped_by_reason"].items()))
+    if data["heldout"]:
+        h = data["heldout"]
+        out.print(f"held-out suite: {h['items']} items ({h['failures']} production failures for the fix rate, "
+                  f"{h['successes']} successes for the keep rate) in {h['clusters']} clusters")
     if data["excluded_from_gate"]:
         out.print(f"{data['excluded_from_gate']} non-deterministic evals kept out of the gate suites "
                   "(set [evals] include_llm_judge_in_gate = true to include them)")
+    for w in data["warnings"]:
+        out.print(f"[bold yellow]warning:[/] {w}")
 
 
 @envs_app.command("build")

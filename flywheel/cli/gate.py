@@ -1,7 +1,8 @@
 """Gate and deployment commands: gate, promote, rollback, deployments.
 
 Exit codes (for CI systems): ``flywheel gate`` exits 0 when the gate passes, 3 on a clean refusal,
-1 (or another non-zero code) on errors. ``flywheel promote`` exits 3 when promotion is refused for
+4 when the evidence is insufficient (too few paired held-out items to decide), 1 (or another
+non-zero code) on errors. ``flywheel promote`` exits 3 when promotion is refused for
 want of a passing gate decision.
 """
 
@@ -25,6 +26,10 @@ from flywheel.cli.common import (
 )
 
 REFUSED = 3
+INSUFFICIENT_EVIDENCE = 4
+EXIT_CODES = {"passed": 0, "refused": REFUSED, "insufficient_evidence": INSUFFICIENT_EVIDENCE}
+VERDICTS = {"passed": "[bold green]PASSED[/]", "refused": "[bold red]REFUSED[/]",
+            "insufficient_evidence": "[bold yellow]INSUFFICIENT EVIDENCE[/]"}
 
 
 def register(app: typer.Typer) -> None:
@@ -55,8 +60,12 @@ def render_decision(decision: Any) -> None:
     from rich.table import Table
 
     n = decision.numbers
-    verdict = "[bold green]PASSED[/]" if decision.passed else "[bold red]REFUSED[/]"
+    verdict = VERDICTS[decision.outcome]
     out.print(f"gate {decision.gate_id}: {verdict}  {n.get('challenger')} vs {n.get('champion')} on {decision.suite}")
+    if n.get("paired_items"):
+        out.print(f"{n['paired_items']} paired items: champion {n['champion_pass_rate']:.1%}, challenger "
+                  f"{n['challenger_pass_rate']:.1%}; {n['wins']} wins / {n['losses']} losses, exact sign test "
+                  f"p = {n['p_value']:.4g}; one-sided {n['confidence']:.0%} lower bound {n['lower_bound']:+.1%}")
     t = Table(title="rules", title_justify="left", header_style="bold")
     for c in ("rule", "result", "value", "threshold", "reason"):
         t.add_column(c, overflow="fold")
@@ -82,7 +91,7 @@ def gate(
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Evaluate MODEL_VERSION against the champion and decide. Exit 0 pass, 3 refused, 1 error."""
+    """Evaluate MODEL_VERSION against the champion and decide. Exit 0 pass, 3 refused, 4 insufficient evidence, 1 error."""
     from flywheel.gate import run_gate
 
     cfg, store, artifacts, tracker = _open(home, config)
@@ -95,8 +104,8 @@ def gate(
         emit_json(decision.to_json())
     else:
         render_decision(decision)
-    if not decision.passed:
-        raise typer.Exit(REFUSED)
+    if decision.outcome != "passed":
+        raise typer.Exit(EXIT_CODES[decision.outcome])
 
 
 @handle_errors

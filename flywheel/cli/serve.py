@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import typer
 
 from flywheel.cli.common import CliError, ConfigOpt, HomeOpt, JsonOpt, console, emit_json, handle_errors, load
@@ -20,9 +18,11 @@ def serve(
     ),
     host: str = typer.Option(None, "--host", help="Bind address (default serve.host, 127.0.0.1)."),
     port: int = typer.Option(None, "--port", help="Port (default serve.port, 8000; 0 picks a free one)."),
-    api_key: str = typer.Option(
-        None, "--api-key", help="Require 'Authorization: Bearer KEY' (default: $FLYWHEEL_API_KEY). "
-        "Mandatory when binding to anything but loopback.", show_default=False,
+    api_key_file: str = typer.Option(
+        None, "--api-key-file", help="File whose first line is the API key clients must send as 'Authorization: "
+        "Bearer KEY' (else $FLYWHEEL_API_KEY, else serve.api_key_file). Mandatory off loopback, advised on any "
+        "shared machine. There is no option taking the key itself: `ps` shows arguments to every user.",
+        show_default=False,
     ),
     champion: bool = typer.Option(
         False, "--champion", help="Serve the MLflow alias 'champion' of cycle.model_name and follow it: a "
@@ -32,16 +32,24 @@ def serve(
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Serve a policy with an OpenAI-compatible API (/v1/chat/completions, /v1/models, LoRA endpoints).
+    """Serve a policy with an OpenAI-compatible API (/v1/chat/completions, /v1/models; the LoRA endpoints
+    only with serve.allow_adapter_loading).
 
     Runs until interrupted. With --json, one JSON line with the base URL is printed once the socket is
     bound (scripts can wait for it); logs go to stderr.
     """
+    from pathlib import Path
+
     from flywheel.policy.models import ModelLoadError
-    from flywheel.serve import ServeError
+    from flywheel.serve import ServeError, resolve_api_key
     from flywheel.serve import serve as run_server
 
     cfg = load(home, config)
+    try:
+        key = resolve_api_key(cfg, None, host or cfg.serve.host,
+                              key_file=Path(api_key_file).expanduser().absolute() if api_key_file else None)
+    except ServeError as e:
+        raise CliError(str(e), code=2) from None
     provider = None
     if champion:
         if model:
@@ -57,12 +65,12 @@ def serve(
     def ready(h: str, p: int) -> None:
         url = f"http://{h}:{p}"
         if as_json:
-            emit_json({"url": url, "model": model or cfg.policy.base_model, "auth": bool(api_key or os.environ.get(cfg.serve.api_key_env))})
+            emit_json({"url": url, "model": model or cfg.policy.base_model, "auth": key is not None})
         else:
             console.print(f"serving [bold]{model or cfg.policy.base_model}[/] at {url}/v1")
 
     try:
-        run_server(cfg, model=None if provider else model, host=host, port=port, api_key=api_key, on_ready=ready,
+        run_server(cfg, model=None if provider else model, host=host, port=port, api_key=key, on_ready=ready,
                    provider=provider)
     except (ServeError, ModelLoadError) as e:
         raise CliError(str(e), code=2) from None

@@ -1,6 +1,7 @@
 """Policies: what rollouts, the gate and ``flywheel serve`` sample from.
 
-- :mod:`flywheel.policy.base`: ``SamplingParams``, ``Sample``, the ``Policy`` protocol, ``PolicyRequestError``.
+- :mod:`flywheel.policy.base`: ``SamplingParams``, ``Sample``, the ``Policy`` protocol, ``PolicyRequestError``,
+  ``PromptTooLongError``.
 - :mod:`flywheel.policy.format`: the ONE prompt/answer format (BFCL prompting style) shared by all paths.
 - :mod:`flywheel.policy.models`: offline base models (SmolLM2 GGUF -> safetensors, ``tiny``, local dirs).
 - :mod:`flywheel.policy.hf`: ``HFPolicy``, in-process transformers sampling with exact logprobs.
@@ -10,6 +11,13 @@
 Only the light modules are imported here; torch/transformers load when a backend is used.
 """
 
-from flywheel.policy.base import FinishReason, Policy, PolicyRequestError, Sample, SamplingParams
+from flywheel.policy.base import (
+    FinishReason,
+    Policy,
+    PolicyRequestError,
+    PromptTooLongError,
+    Sample,
+    SamplingParams,
+)
 
-__all__ = ["FinishReason", "Policy", "PolicyRequestError", "Sample", "SamplingParams"]
+__all__ = ["FinishReason", "Policy", "PolicyRequestError", "PromptTooLongError", "Sample", "SamplingParams"]

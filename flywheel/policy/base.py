@@ -87,6 +87,15 @@ class PolicyRequestError(RuntimeError):
         self.body = body
 
 
+class PromptTooLongError(ValueError):
+    """A prompt does not fit the model's context. ``index`` is its position in the call that
+    raised, ``tokens`` its length and ``limit`` the context size; the message names all three."""
+
+    def __init__(self, index: int, tokens: int, limit: int) -> None:
+        super().__init__(f"prompt {index} has {tokens} tokens; the model's context is {limit}")
+        self.index, self.tokens, self.limit = index, tokens, limit
+
+
 @runtime_checkable
 class Policy(Protocol):
     """What the rollout stage, the gate and the server sample from.

@@ -9,15 +9,20 @@ Guarantees
 - Only calls with identical sampling parameters are merged, and only when the result cannot depend
   on the batch: greedy decoding (``temperature == 0``), or sampling without a seed. A seeded sampling
   call runs alone, so ``seed`` keeps its reproducibility promise.
-- Results are returned to each caller in its own prompt order; an exception in a merged call is
-  raised in every caller of that batch.
+- Results are returned to each caller in its own prompt order. When a merged call raises, each
+  caller of that batch is run again on its own, so one bad request (a prompt longer than the
+  model's context) fails only itself; a batch of one gets its exception at once.
 - At most ``max_prompts`` prompts per merged call (memory is bounded by what the wrapped policy gets).
+- With ``weak=True`` the batcher holds its policy by a weak reference, so a cache of batchers keyed
+  by policy (``flywheel serve``) does not keep a replaced model alive; callers hold the policy for
+  as long as they call ``generate``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +40,8 @@ class _Pending:
 class BatchingPolicy:
     """Wraps a policy; ``generate`` may be called from many threads at once."""
 
-    def __init__(self, policy: Any, *, max_prompts: int = 16, window_s: float = 0.02):
-        self.policy = policy
+    def __init__(self, policy: Any, *, max_prompts: int = 16, window_s: float = 0.02, weak: bool = False):
+        self._policy = weakref.ref(policy) if weak else (lambda: policy)
         self.max_prompts = max_prompts
         self.window_s = window_s
         self._lock = threading.Lock()
@@ -44,7 +49,16 @@ class BatchingPolicy:
         self._leader = False
         self.calls = 0  # merged calls made to the wrapped policy (for tests and stats)
 
+    @property
+    def policy(self) -> Any:
+        policy = self._policy()
+        if policy is None:
+            raise RuntimeError("the policy of this batcher was freed (weak=True and no caller holds it)")
+        return policy
+
     def __getattr__(self, name: str) -> Any:  # name, version, tokenizer, adapters ... of the wrapped policy
+        if name.startswith("_"):  # not set yet (copy, pickle): never recurse through self.policy
+            raise AttributeError(name)
         return getattr(self.policy, name)
 
     @staticmethod
@@ -96,8 +110,22 @@ class BatchingPolicy:
                 for p in batch:
                     p.result = out[i : i + len(p.prompts)]
                     i += len(p.prompts)
-            except BaseException as e:  # noqa: BLE001 - delivered to every caller of this batch
+            except Exception as e:
+                if len(batch) == 1:
+                    batch[0].error = e
+                else:
+                    self._run_alone(batch)
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt, SystemExit: every caller stops
                 for p in batch:
                     p.error = e
             for p in batch:
                 p.done.set()
+
+    def _run_alone(self, batch: list[_Pending]) -> None:
+        """Each caller of a failed merged call, on its own: the error lands where it belongs."""
+        for p in batch:
+            try:
+                self.calls += 1
+                p.result = self.policy.generate(p.prompts, p.params, tools=p.tools)
+            except Exception as e:
+                p.error = e

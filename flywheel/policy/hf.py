@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flywheel.policy.base import Sample, SamplingParams, coerce_params, per_prompt_tools
+from flywheel.policy.base import PromptTooLongError, Sample, SamplingParams, coerce_params, per_prompt_tools
 from flywheel.policy.format import render_prompt
 from flywheel.policy.models import ModelLoadError, attach_adapter, load_model
 
@@ -147,7 +147,11 @@ class HFPolicy:
     # ------------------------------------------------------------------ adapters and weights
     def load_adapter(self, path: str | Path, name: str = "default", *, activate: bool = True) -> None:
         """Load (or reload) the peft LoRA adapter at ``path`` as ``name``. With ``activate`` this
-        policy samples with it from the next call on; other views keep their own adapter."""
+        policy samples with it from the next call on; other views keep their own adapter.
+
+        A load that fails raises :class:`ModelLoadError` and leaves the model as it was, except that
+        a reloaded ``name`` is gone (load under a new name to keep the old one until the new one is
+        in, as ``flywheel serve`` does)."""
         with self._shared.lock:
             self._shared.model = attach_adapter(self._shared.model, path, name=name)
             self._shared.model.eval()
@@ -260,7 +264,7 @@ class HFPolicy:
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             if len(ids) >= max_pos:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens; the model's context is {max_pos}")
+                raise PromptTooLongError(i, len(ids), max_pos)
         base_seed = p.seed if p.seed is not None else secrets.randbits(62)  # leaves torch's RNG alone
         order = sorted(range(len(prompt_token_ids)), key=lambda i: len(prompt_token_ids[i]))
         per_chunk = max(1, self.max_batch_rows // p.n)
@@ -325,6 +329,7 @@ class HFPolicy:
         lps: list[list[float]] = [[] for _ in range(rows)]
         finish: list[str | None] = [None] * rows
         stop_at: list[int | None] = [None] * rows
+        scanners = [_StopScanner(self.tokenizer, p.stop) for _ in range(rows)] if p.stop else None
         done_ms = [0.0] * rows
         active = list(range(rows))  # original row ids of the live batch rows, in batch order
         eos = torch.tensor(sorted(self._eos_ids), dtype=torch.long, device=dev)
@@ -339,7 +344,7 @@ class HFPolicy:
                 lps[r].append(lp_l[b])
                 if is_eos[b]:
                     finish[r] = "stop"
-                elif p.stop and (cut := self._stop_cut(toks[r], p.stop)) is not None:
+                elif scanners is not None and (cut := scanners[r].push(toks[r])) is not None:
                     finish[r], stop_at[r] = "stop", cut
                 elif len(toks[r]) >= limits[r]:
                     finish[r] = "length"
@@ -368,9 +373,10 @@ class HFPolicy:
             group = []
             for k in range(n):
                 r = j * n + k
-                text = self.tokenizer.decode(toks[r], skip_special_tokens=True)
-                if stop_at[r] is not None:
-                    text = text[: stop_at[r]]
+                if scanners is not None and stop_at[r] is not None:
+                    text = scanners[r].text()[: stop_at[r]]
+                else:
+                    text = self.tokenizer.decode(toks[r], skip_special_tokens=True)
                 group.append(
                     Sample(
                         text=text, prompt_token_ids=list(ids), completion_token_ids=toks[r], logprobs=lps[r],
@@ -380,11 +386,51 @@ class HFPolicy:
             samples.append(group)
         return samples
 
-    def _stop_cut(self, toks: list[int], stops: list[str]) -> int | None:
-        """Character index where the earliest stop string starts in the decoded completion."""
-        text = self.tokenizer.decode(toks, skip_special_tokens=True)
-        hits = [i for s in stops if (i := text.find(s)) >= 0]
-        return min(hits) if hits else None
+
+
+class _StopScanner:
+    """Finds stop strings in a growing completion, looking only at its tail.
+
+    Each step decodes only the tokens since the last complete character, with the tokens before
+    them as context (the prefix/read offsets of vLLM's incremental detokenizer), and searches
+    only the new text plus the ``len(longest stop) - 1`` characters before it: a stop string that
+    was not there one step ago must end in the new text. So the work per step does not grow with
+    the completion's length (rescanning the whole text for every stop string every step was
+    quadratic in the length, times the number of stop strings).
+
+    ``push`` returns the character index in :meth:`text` where the earliest stop string starts.
+    Not covered: a completion that decodes to U+FFFD on purpose delays the check until the next
+    character completes (the same heuristic as vLLM's: U+FFFD usually means a partial UTF-8 byte
+    sequence).
+    """
+
+    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+        self._decode = tokenizer.decode
+        self._stops = stops
+        self._keep = max(len(x) for x in stops) - 1
+        self._pieces: list[str] = []
+        self._tail = ""
+        self._len = 0
+        self._prefix = 0  # first token of the context decoded with the new tokens
+        self._read = 0  # first token not yet turned into text
+
+    def push(self, toks: list[int]) -> int | None:
+        before = self._decode(toks[self._prefix : self._read], skip_special_tokens=True)
+        after = self._decode(toks[self._prefix :], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return None  # a special token or an incomplete character: nothing new to search
+        new = after[len(before) :]
+        self._prefix, self._read = self._read, len(toks)
+        window = self._tail + new
+        offset = self._len - len(self._tail)
+        self._pieces.append(new)
+        self._len += len(new)
+        self._tail = window[max(0, len(window) - self._keep) :] if self._keep else ""
+        hits = [i for x in self._stops if (i := window.find(x)) >= 0]
+        return offset + min(hits) if hits else None
+
+    def text(self) -> str:
+        return "".join(self._pieces)
 
 
 def _sample(logits: Any, p: SamplingParams, u: Any) -> tuple[Any, Any]:

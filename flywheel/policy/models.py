@@ -269,18 +269,58 @@ def attach_adapter(model: Any, adapter: str | Path, *, name: str = "default") ->
     """Load the peft LoRA adapter at ``adapter`` onto ``model`` under ``name`` and activate it.
 
     Returns the (possibly newly wrapped) ``PeftModel``. Loading a name that exists replaces it.
+
+    A load that fails leaves ``model`` as it was, apart from a replaced name (which is gone): the
+    config and weights are read and checked before the model is touched, and layers or configs that
+    peft injected before failing are removed again (measured: a truncated safetensors file used to
+    leave LoRA layers and a ``peft_config`` on a plain model, and every later generation failed).
+    Raises :class:`ModelLoadError` naming the adapter and the reason.
     """
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
+    from peft.utils import load_peft_weights
 
     path = Path(adapter).expanduser()
     if not (path / "adapter_config.json").exists():
         raise ModelLoadError(f"adapter {str(adapter)!r}: no adapter_config.json in {path}")
-    if isinstance(model, PeftModel):
+    try:
+        config = PeftConfig.from_pretrained(str(path))
+        load_peft_weights(str(path), device="cpu")  # a corrupt or missing weights file fails here
+    except Exception as e:  # peft raises ValueError, OSError, safetensors errors, JSON errors
+        raise ModelLoadError(f"adapter {str(adapter)!r}: unreadable: {type(e).__name__}: {e}") from e
+    peft_type = getattr(config, "peft_type", None)
+    if getattr(peft_type, "value", peft_type) != "LORA":
+        raise ModelLoadError(f"adapter {str(adapter)!r}: peft type {peft_type} is not LORA")
+    was_peft = isinstance(model, PeftModel)
+    had_config = "peft_config" in vars(model)
+    try:
+        if was_peft:
+            if name in model.peft_config:
+                # peft keeps the old weights when a name is loaded twice; drop it first (measured: a
+                # delete of the only adapter followed by load_adapter works in peft 0.21).
+                model.delete_adapter(name)
+            model.load_adapter(str(path), adapter_name=name, is_trainable=False)
+            model.set_adapter(name)
+            return model
+        return PeftModel.from_pretrained(model, str(path), adapter_name=name, is_trainable=False)
+    except Exception as e:
+        try:
+            _undo_partial_adapter(model, name, was_peft=was_peft, had_config=had_config)
+        except Exception as cleanup:  # report the load failure, not the clean-up's
+            e.add_note(f"removing the partly loaded adapter failed too: {type(cleanup).__name__}: {cleanup}")
+        raise ModelLoadError(f"adapter {str(adapter)!r}: could not be loaded: {type(e).__name__}: {e}") from e
+
+
+def _undo_partial_adapter(model: Any, name: str, *, was_peft: bool, had_config: bool) -> None:
+    """Remove what a failed adapter load left behind (see :func:`attach_adapter`)."""
+    if was_peft:
         if name in model.peft_config:
-            # peft keeps the old weights when a name is loaded twice; drop it first (measured: a
-            # delete of the only adapter followed by load_adapter works in peft 0.21).
             model.delete_adapter(name)
-        model.load_adapter(str(path), adapter_name=name, is_trainable=False)
-        model.set_adapter(name)
-        return model
-    return PeftModel.from_pretrained(model, str(path), adapter_name=name, is_trainable=False)
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module_name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            parent, _, child = module_name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.get_base_layer())
+    if not had_config and "peft_config" in vars(model):
+        del model.peft_config

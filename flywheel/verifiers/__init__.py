@@ -23,15 +23,23 @@ Kinds and parameters (defaults in brackets)
   (``strict`` accepts only the whole answer). Accepts ``1,234.5``, ``-3e-2``, ``3/4``.
 - ``regex``: ``pattern``, ``fullmatch`` [False], ``flags`` [list of ``re`` flag names]. Patterns are
   trusted; candidates longer than 100k characters fail (a bound on backtracking time).
-- ``python_tests``: ``tests`` (Python source importing ``solution``), ``site_packages`` [False]. The
-  candidate is the last fenced ```python block, else the last fenced block, else the whole text.
-  Sandboxed (:mod:`flywheel.sandbox`). Component ``tests`` = share passed.
+- ``python_tests``: ``tests`` (Python source importing ``solution``), ``site_packages`` [False],
+  ``grading`` ["auto" | "io" | "in_process"]. The candidate is the last fenced ```python block, else the
+  last fenced block, else the whole text. Sandboxed (:mod:`flywheel.sandbox`): tests that are
+  input -> expected-output checks (``assert f(1, 'a') == [2]``, :mod:`flywheel.io_tests`) are judged
+  outside the sandbox (``io``), any others run beside the candidate (``in_process``); "io" makes
+  other tests a :class:`SpecError`. ``details["isolation"]["grading"]`` says which path graded it.
+  Component ``tests`` = share passed.
 - ``shell``: ``command`` (the trusted grading script; exit 0 = pass). The candidate script is the last
-  fenced ```bash/```sh block, else the last fenced block, else the whole text. Sandboxed.
+  fenced ```bash/```sh block, else the last fenced block, else the whole text. Sandboxed; the grader
+  runs as another uid from an empty directory and finds the candidate's files, read-only, in ``$WORK``.
 - ``llm_judge``: ``rubric``, ``reference`` [None], ``pass_threshold`` [0.5]. POSTs to
   ``{judge.base_url}/chat/completions`` (``/v1`` is appended when the URL lacks it); the judge answers
   with a score in [0, 1] (``SCORE: 0.8`` or JSON ``{"score": 0.8}``; 0-10 scales are divided by 10).
-  ``deterministic=False``.
+  ``deterministic=False``. A reply without a parseable score (a judge talked out of scoring by the
+  answer it grades) and a request the endpoint refuses for its content (HTTP 400, 413, 422) are
+  *failures* (reward 0, ``details["judge_error"]``): the answer may have caused them, so they must
+  cost the side that produced it rather than drop the item from a comparison.
 - ``composite``: ``parts`` (``[{weight, spec}]``), ``pass_rule`` ["all" | "weighted"], ``threshold``
   [1.0 for weighted]. Reward = weighted mean of part rewards; components are prefixed ``<i>.<kind>.``.
 - ``reward_mode`` ["binary" | "partial"] on any kind: the reward is ``float(passed)`` by default, or
@@ -40,17 +48,24 @@ Kinds and parameters (defaults in brackets)
 
 Infrastructure errors
 ---------------------
-When the verifier could not judge (sandbox did not start, judge endpoint down, refused, 5xx, or
-unparseable judge output), the verdict has ``infra_error`` set, ``reward = 0.0`` and
-``ok_for_training = False``. **Consumers must check ``ok_for_training`` (or ``infra_error``) and drop or
+When the verifier could not judge (sandbox did not start or has no isolation on this machine, judge
+endpoint unreachable, timed out, 5xx/429/401/403/404, or a reply that is not a chat completion), the
+verdict has ``infra_error`` set, ``reward = 0.0`` and ``ok_for_training = False``. **Consumers must check ``ok_for_training`` (or ``infra_error``) and drop or
 retry such samples; never read their reward as a candidate failure.** The reward stays a finite 0.0
 (not NaN) so that arithmetic over a batch never poisons other rows by accident; the flag carries the
 meaning. A malformed *spec* is a bug in the task, not in the candidate: :class:`SpecError` is raised
 (use :func:`validate_spec` when a task is created).
+
+Verdicts that must not become training data
+-------------------------------------------
+A sandboxed verdict from a weak sandbox (``sandbox.allow_weak`` on a machine without namespaces) is a
+real verdict -- it counts in evaluation -- but the candidate could have forged it, so
+``not_for_training`` says why and ``ok_for_training`` is False unless ``sandbox.train_on_weak``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -61,6 +76,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.config import JudgeConfig, SandboxConfig
+from flywheel.io_tests import NotIO, compile_io
+from flywheel.sandbox import GRADINGS, SandboxResult, discover_tests, run_python_tests, run_shell
 from flywheel.verifiers.toolcalls import (
     ParseResult,
     ToolCall,
@@ -101,7 +118,9 @@ class Verdict:
 
     ``reward`` in [0, 1]; ``passed`` is the binary full success; ``components`` are partial-credit
     scores in [0, 1] reported separately; ``infra_error`` set means the verifier could not judge
-    (reward 0.0 and meaningless, see :attr:`ok_for_training`); ``deterministic`` False for judges.
+    (reward 0.0 and meaningless, see :attr:`ok_for_training`); ``deterministic`` False for judges;
+    ``not_for_training`` set means the verdict is real but the candidate could have forged it (a weak
+    sandbox), so it must not become a training signal.
     """
 
     reward: float
@@ -110,11 +129,13 @@ class Verdict:
     infra_error: str | None = None
     deterministic: bool = True
     details: dict = field(default_factory=dict)
+    not_for_training: str | None = None
 
     @property
     def ok_for_training(self) -> bool:
-        """False when the verdict reflects an infrastructure failure, not the candidate."""
-        return self.infra_error is None
+        """False when the verdict reflects an infrastructure failure, not the candidate, or when it
+        came from a sandbox the candidate could have forged (see ``not_for_training``)."""
+        return self.infra_error is None and self.not_for_training is None
 
 
 @dataclass
@@ -166,7 +187,7 @@ def verify(spec: dict, trajectory: list[dict], *, context: VerifyContext | None 
     if mode == "partial" and v.infra_error is None and kind != "composite":
         comps = list(v.components.values())
         partial = sum(comps) / len(comps) if comps else float(v.passed)
-        v = Verdict(1.0 if v.passed else partial, v.passed, v.components, None, v.deterministic, v.details)
+        v = dataclasses.replace(v, reward=1.0 if v.passed else partial)
     return v
 
 
@@ -203,12 +224,19 @@ def validate_spec(spec: dict) -> None:
     elif kind == "regex":
         _compile_regex(spec)
     elif kind == "python_tests":
-        from flywheel.sandbox import discover_tests
-
         try:
             discover_tests(spec["tests"])
         except ValueError as e:
             raise SpecError(f"python_tests: {e}") from None
+        grading = spec.get("grading", "auto")
+        if grading not in GRADINGS:
+            raise SpecError(f"python_tests: grading must be one of {GRADINGS}, got {grading!r}")
+        if grading == "io":
+            try:
+                compile_io(spec["tests"])
+            except NotIO as e:
+                raise SpecError(f"python_tests: grading = io but the tests are not input -> expected-output "
+                                f"checks: {e}") from None
     elif kind == "numeric":
         _float_param(spec, "expected")
     elif kind == "composite":
@@ -446,42 +474,43 @@ def _regex(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdict:
     return _done(m is not None, {"match": float(m is not None)})
 
 
-def _sandbox_verdict(res: Any, extraction: str) -> Verdict:
+def _sandbox_verdict(res: SandboxResult, extraction: str, cfg: SandboxConfig) -> Verdict:
     if res.infra_error:
         raise InfraError(res.infra_error)
     share = res.tests_passed / res.tests_total if res.tests_total else 0.0
-    return _done(
+    v = _done(
         res.passed,
         {"tests": share},
         per_test=res.per_test,
         killed_reason=res.killed_reason,
-        isolation=res.isolation,
+        isolation={**res.report, "detail": res.isolation},
         extraction=extraction,
         duration_s=round(res.duration_s, 4),
         stderr=res.stderr[-2000:],
         sandbox=res.details,
     )
+    if res.weak and not cfg.train_on_weak:
+        v = dataclasses.replace(v, not_for_training=f"weak sandbox ({res.isolation}): the candidate could "
+                                "have forged this verdict (sandbox.train_on_weak = false)")
+    return v
 
 
 @register_verifier("python_tests")
 def _python_tests(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdict:
-    from flywheel.sandbox import run_python_tests
-
     msg = answer_message(trajectory)
     if msg is None or not _text(msg).strip():
         return _fail({"tests": 0.0}, error="no answer")
     code, how = _extract_code(_text(msg), ("python", "py", "python3"))
     try:
-        res = run_python_tests(code, spec["tests"], ctx.sandbox, site_packages=bool(spec.get("site_packages", False)))
+        res = run_python_tests(code, spec["tests"], ctx.sandbox, site_packages=bool(spec.get("site_packages", False)),
+                               grading=str(spec.get("grading", "auto")))
     except ValueError as e:
         raise SpecError(f"python_tests: {e}") from None
-    return _sandbox_verdict(res, how)
+    return _sandbox_verdict(res, how, ctx.sandbox)
 
 
 @register_verifier("shell")
 def _shell(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdict:
-    from flywheel.sandbox import run_shell
-
     msg = answer_message(trajectory)
     if msg is None or not _text(msg).strip():
         return _fail({"tests": 0.0}, error="no answer")
@@ -490,7 +519,7 @@ def _shell(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdict:
         res = run_shell(script, spec["command"], ctx.sandbox)
     except ValueError as e:
         raise SpecError(f"shell: {e}") from None
-    return _sandbox_verdict(res, how)
+    return _sandbox_verdict(res, how, ctx.sandbox)
 
 
 _JUDGE_SYSTEM = (
@@ -553,19 +582,39 @@ def _llm_judge(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdic
     finally:
         if ctx.http_client is None:
             client.close()
+    if r.status_code in _JUDGE_REFUSED_CONTENT:
+        # The endpoint rejected the request for what it holds -- the answer is the only part that
+        # varies -- so the candidate caused it: a loss for the side that produced it, not an exclusion.
+        return _judge_failure(f"the judge refused the request (HTTP {r.status_code}): {r.text[:200]}", "")
     if r.status_code >= 400:
-        # 4xx too: a judge that refuses our request says nothing about the candidate.
         raise InfraError(f"judge endpoint returned HTTP {r.status_code}: {r.text[:200]}")
     try:
-        content = r.json()["choices"][0]["message"]["content"] or ""
-    except (ValueError, KeyError, IndexError, TypeError):
+        choice = r.json()["choices"][0]
+        content = choice["message"].get("content") or ""
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise InfraError(f"judge response is not a chat completion: {r.text[:200]}") from None
+    if not isinstance(content, str):
+        raise InfraError(f"judge response is not a chat completion: {r.text[:200]}")
     score = _parse_score(content.strip())
     if score is None:
-        raise InfraError(f"judge output has no score: {content[:200]!r}")
+        # A completed request whose reply carries no score: the answer may have talked the judge out
+        # of scoring (prompt injection), so it is a failure, never an infrastructure error.
+        finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+        return _judge_failure(f"judge reply has no score (finish_reason {finish!r})", content)
     threshold = float(spec.get("pass_threshold", 0.5))
     passed = score >= threshold
     return Verdict(score, passed, {"judge_score": score}, deterministic=False, details={"judge_output": content[:500]})
+
+
+# HTTP statuses with which an OpenAI-compatible endpoint rejects a request for its content (bad
+# request, too large, unprocessable, e.g. a content filter or the context length); every other 4xx/5xx
+# is about the endpoint itself (auth, URL, model name, overload) and stays an infrastructure error.
+_JUDGE_REFUSED_CONTENT = frozenset({400, 413, 422})
+
+
+def _judge_failure(why: str, content: str) -> Verdict:
+    return Verdict(0.0, False, {"judge_score": 0.0}, deterministic=False,
+                   details={"judge_output": content[:500], "judge_error": why})
 
 
 def _parts(spec: dict) -> list[dict]:
@@ -589,12 +638,15 @@ def _composite(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdic
         raise SpecError(f"composite: pass_rule must be 'all' or 'weighted', got {rule!r}")
     total_w = sum(float(p.get("weight", 1.0)) for p in parts) or 1.0
     reward, comps, deterministic, all_pass, subs = 0.0, {}, True, True, []
+    not_for_training: str | None = None
     for i, p in enumerate(parts):
         v = verify(p["spec"], trajectory, context=ctx)
         kind = p["spec"]["kind"]
         if v.infra_error:
             # One part could not be judged, so the whole cannot: never average an unknown in as 0.
             return Verdict(0.0, False, comps, infra_error=f"part {i} ({kind}): {v.infra_error}", deterministic=False)
+        if v.not_for_training and not_for_training is None:
+            not_for_training = f"part {i} ({kind}): {v.not_for_training}"
         w = float(p.get("weight", 1.0)) / total_w
         reward += w * v.reward
         all_pass &= v.passed
@@ -604,4 +656,5 @@ def _composite(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdic
         subs.append({"kind": kind, "passed": v.passed, "reward": v.reward})
     threshold = float(spec.get("threshold", 1.0))
     passed = all_pass if rule == "all" else reward >= threshold - 1e-12
-    return Verdict(reward, passed, comps, deterministic=deterministic, details={"parts": subs})
+    return Verdict(reward, passed, comps, deterministic=deterministic, details={"parts": subs},
+                   not_for_training=not_for_training)

@@ -2,7 +2,8 @@
 
 The tests use the default isolation of this machine (root + unshare: pid/mount/net namespaces) and
 tight limits so the whole file stays fast; ``isolation`` is asserted so a silent fallback to the weak
-mode fails loudly instead of weakening every test.
+mode fails loudly instead of weakening every test. The python attacks run on both grading paths
+(``io``: the supervisor judges the candidate's outputs; ``in_process``: the tests run beside it).
 """
 
 from __future__ import annotations
@@ -37,12 +38,20 @@ GOOD = "def add(a, b):\n    return a + b\n"
 CFG = SandboxConfig(cpu_seconds=2, memory_mb=256, max_processes=16, max_file_mb=2, max_open_files=32, wall_seconds=4)
 
 pytestmark = pytest.mark.skipif(isolation_mode() != "netns", reason=f"needs namespaces: {isolation_mode()}")
+GRADING = "auto"
+
+
+@pytest.fixture(params=["io", "in_process"], autouse=True)
+def grading(request, monkeypatch):
+    monkeypatch.setitem(globals(), "GRADING", request.param)
+    return request.param
 
 
 def run(candidate: str, tests: str = TESTS, cfg: SandboxConfig = CFG):
-    r = run_python_tests(candidate, tests, cfg)
+    r = run_python_tests(candidate, tests, cfg, grading=GRADING)
     assert r.infra_error is None, r.infra_error
     assert r.isolation == "netns"
+    assert r.report["grading"].startswith(GRADING)
     return r
 
 
@@ -97,10 +106,11 @@ def test_monkeypatching_the_runner():
         os.write = lambda fd, data: len(data)            # swallow failure reports
         builtins.AssertionError = type("Nope", (Exception,), {})
         unittest.TestCase.run = lambda self, result=None: None
-        main = sys.modules["__main__"]
-        for name in dir(main):
-            if callable(getattr(main, name, None)):
-                setattr(main, name, lambda *a, **k: None)
+        for modname in ("__main__", "_sandbox_harness"):   # the harness module, however it was loaded
+            main = sys.modules.get(modname)
+            for name in dir(main) if main is not None else []:
+                if callable(getattr(main, name, None)):
+                    setattr(main, name, lambda *a, **k: None)
         def add(a, b):
             return 0
         """
@@ -110,7 +120,9 @@ def test_monkeypatching_the_runner():
     assert r.per_test["test_small"].startswith("failed")
 
 
-def test_introspection_to_steal_the_nonce_is_refused():
+def test_introspection_to_steal_the_nonce_is_refused(grading):
+    if grading == "io":
+        pytest.skip("io: the candidate's process holds no secret; introspection finds nothing to steal")
     attack = textwrap.dedent(
         """
         import sys, gc
@@ -331,7 +343,7 @@ def test_background_process_outliving_the_run(tmp_path):
 
 
 def test_shell_candidate_cannot_tamper_with_the_grader():
-    grader = 'test "$(cat answer.txt)" = 42'
+    grader = 'test "$(cat "$WORK/answer.txt")" = 42'
     assert run_shell("echo 42 > answer.txt", grader, CFG).passed
     attack = textwrap.dedent(
         """
@@ -382,18 +394,21 @@ def _disk_free() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def test_weak_mode_is_reported_and_still_needs_positive_evidence(monkeypatch):
+def test_weak_mode_is_refused_unless_allowed_and_then_still_needs_positive_evidence(monkeypatch):
     import flywheel.sandbox as sb
 
     monkeypatch.setattr(sb, "isolation_mode", lambda: "weak: simulated (no unshare)")
-    r = run_python_tests(GOOD, TESTS, CFG)
+    refused = run_python_tests(GOOD, TESTS, CFG, grading=GRADING)
+    assert refused.infra_error and "sandbox.allow_weak" in refused.infra_error and not refused.passed
+    weak = CFG.model_copy(update={"allow_weak": True})
+    if os.path.exists("/usr/bin/python3"):
+        monkeypatch.setattr(sb, "PYTHON", "/usr/bin/python3")  # world-readable: the uid drop still works
+    r = run_python_tests(GOOD, TESTS, weak, grading=GRADING)
     if r.infra_error:  # this interpreter sits under a private dir (pyenv in /root): refusing is honest
         assert "not readable by an unprivileged uid" in r.infra_error
-    else:
-        assert r.passed and r.isolation.startswith("weak:")
-    if os.path.exists("/usr/bin/python3"):
-        monkeypatch.setattr(sb, "PYTHON", "/usr/bin/python3")
-        ok = run_python_tests(GOOD, TESTS, CFG)
-        assert ok.passed and ok.isolation.startswith("weak:")
-        bad = run_python_tests("import os\nos._exit(0)\n", TESTS, CFG)
-        assert not bad.passed and bad.infra_error is None
+        return
+    assert r.passed and r.isolation.startswith("weak:") and r.report["mode"] == "weak"
+    bad = run_python_tests("import os\nos._exit(0)\n", TESTS, weak, grading=GRADING)
+    assert not bad.passed and bad.infra_error is None
+    shell = run_shell("echo 42 > answer.txt", 'test "$(cat "$WORK/answer.txt")" = 42', weak)
+    assert shell.passed and shell.infra_error is None and shell.weak

@@ -1,6 +1,12 @@
-"""The README's main job, end to end with a tiny random model (`flywheel demo --profile smoke`):
-base model registered as champion, a real `flywheel serve --champion` process answering BFCL
-questions over HTTP, the gateway log ingested by one Prefect cycle, a gate decision, a report."""
+"""The README's main job, end to end with a tiny random model (`flywheel demo --profile smoke`): the
+base model registered as champion, two waves of production traffic through a real
+`flywheel serve --champion` process, a Prefect cycle after each, and the closing scoreboard.
+
+It asserts what the demo claims: two waves and two cycles with their stage outcomes; cycle 2 gating
+on a superset of cycle 1's held-out suite in which no item changed side; the insufficient-evidence
+outcome (the smoke suite is far below gate.min_paired_items) leaving the champion unchanged and
+saying so; a scoreboard row per gated model on the same suite version; the cycle-2 challenger's
+lineage reaching the traces of both waves."""
 
 from __future__ import annotations
 
@@ -15,32 +21,111 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_demo_smoke_profile(tmp_path):
-    home = tmp_path / "home"
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo")
+    home = tmp / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    env["PREFECT_HOME"] = str(tmp / "prefect")
     proc = subprocess.run(
         [sys.executable, "-m", "flywheel", "demo", "--profile", "smoke", "--home", str(home), "--json"],
-        capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=2400, env=env, cwd=tmp,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout)
-    assert res["champion_before"] == "model:policy/1"
-    # Production traffic went through the real server and was logged as a gateway would.
-    assert res["traffic"]["requests"] == 16
-    log = Path(res["traffic"]["log"])
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(records) == 16 and all({"bfcl_id", "answer", "model", "timestamp"} <= set(r) for r in records)
-    cycle = res["cycle"]
-    st = cycle["stages"]
-    assert st["ingest"]["ingested"] == 16
-    assert cycle["outcome"] in ("promoted", "refused")
-    gate = st["gate"]
-    assert isinstance(gate["passed"], bool) and (gate["passed"] or gate["reasons"])
-    # The lineage of the trained model reaches the logged production traces.
-    assert res["lineage"]["traces"], "no production trace behind the trained model"
+    return home, json.loads(proc.stdout), proc.stderr
+
+
+def test_two_waves_of_traffic_through_the_served_champion(demo_run):
+    home, res, _ = demo_run
+    assert res["champion_before"] == "model:policy/1" and res["profile"] == "smoke"
+    w1, w2 = res["waves"]
+    assert (w1["requests"], w2["requests"]) == (16, 8)
+    assert w1["champion"] == w2["champion"] == "model:policy/1"  # cycle 1 did not promote (see below)
+    ids = []
+    for w in (w1, w2):
+        records = [json.loads(line) for line in Path(w["log"]).read_text().splitlines()]
+        assert len(records) == w["requests"] and {r["metadata"]["wave"] for r in records} == {w["wave"]}
+        assert all({"bfcl_id", "answer", "model", "timestamp"} <= set(r) for r in records)
+        ids.append({r["bfcl_id"] for r in records})
+    assert not ids[0] & ids[1], "wave 2 must ask questions wave 1 did not"
+
+
+def test_each_cycle_runs_every_stage_and_says_why_the_champion_stays(demo_run):
+    _, res, _ = demo_run
+    c1, c2 = res["cycles"]
+    assert c1["stages"]["ingest"]["ingested"] == 16 and c2["stages"]["ingest"]["ingested"] == 8
+    for c in (c1, c2):
+        st = c["stages"]
+        assert st["evals"]["warnings"] and "insufficient evidence" in st["evals"]["warnings"][0]
+        assert st["sft"]["model_version"] and st["train_mode"]["mode"] == "sft"
+        gate = st["gate"]
+        assert gate["outcome"] == "insufficient_evidence" and gate["passed"] is False
+        assert gate["numbers"]["paired_items"] < gate["numbers"]["min_paired_items"] == 30
+        assert c["outcome"] == "insufficient_evidence" and "the champion stays" in c["reason"]
+        assert {"ingest", "evals", "envs", "synth", "rollouts", "train-sft", "gate"} <= set(c["timings"])
+    # Cycle 2 trains from the (unchanged) champion and gates against it.
+    assert c2["stages"]["sft"]["base"] == "model:policy/1"
+    assert c2["stages"]["gate"]["numbers"]["champion"] == "model:policy/1"
+    assert res["scoreboard"]["champions"] == [1] and res["scoreboard"]["final_champion"] == "model:policy/1"
+
+
+def test_cycle_two_gates_on_a_superset_of_cycle_ones_heldout_suite(demo_run):
+    home, res, _ = demo_run
+    from flywheel.artifacts import open_artifacts
+    from flywheel.config import load_config
+    from flywheel.evals import load_suite
+    from flywheel.store import open_store
+
+    s1, s2 = (c["stages"]["gate"]["suite"] for c in res["cycles"])
+    assert (s1, s2) == ("suite:heldout@1", "suite:heldout@2")
+    cfg = load_config(environ={}, overrides={"home": str(home)})
+    with open_store(cfg) as store:
+        arts = open_artifacts(cfg)
+        h1, h2 = load_suite(store, arts, s1), load_suite(store, arts, s2)
+        assert set(h1.task_ids) < set(h2.task_ids)
+        # No item changed side: every eval of cycle 1 keeps its split and cluster.
+        for t in h1.tasks:
+            st = store.entity(t["task_id"])["state"]
+            assert (st["split"], st["cluster"]) == ("heldout", t["metadata"]["cluster"])
+        events = store.read(types="eval.created")
+        by_eval: dict[str, set[str]] = {}
+        for ev in events:
+            by_eval.setdefault(ev.stream, set()).add(ev.payload["split"])
+        assert all(len(v) == 1 for v in by_eval.values())
+
+
+def test_the_scoreboard_puts_every_gated_model_on_one_suite_and_lineage_reaches_both_waves(demo_run):
+    _, res, _ = demo_run
+    board = res["scoreboard"]
+    assert board["suite"] == "suite:heldout@2" and board["items"] > 0
+    rows = {r["model"]: r for r in board["rows"]}
+    challengers = [c["stages"]["gate"]["challenger_version"] for c in res["cycles"]]
+    assert set(rows) == {"model:policy/1", *(f"model:policy/{v}" for v in challengers)}
+    for r in rows.values():
+        assert r["items"] == board["items"] and 0.0 <= r["wilson_lo"] <= (r["pass_rate"] or 0.0) <= r["wilson_hi"] <= 1.0
+    assert rows["model:policy/1"]["gate"] is None and rows["model:policy/1"]["champion"]
+    for i, v in enumerate(challengers, start=1):
+        g = rows[f"model:policy/{v}"]["gate"]
+        assert g["outcome"] == "insufficient_evidence" and 0.0 <= g["p_value"] <= 1.0
+        assert rows[f"model:policy/{v}"]["cycle"] == i and "SFT" in rows[f"model:policy/{v}"]["trained"]
+    last = board["lineage"]["last_challenger"]
+    assert last["model"] == f"model:policy/{challengers[-1]}"
+    assert last["by_wave"].get("1", 0) > 0 and last["by_wave"].get("2", 0) > 0
+    assert last["traces"] == sum(last["by_wave"].values())
+
+
+def test_per_stage_timings_report_and_home(demo_run):
+    home, res, stderr = demo_run
+    t = res["timings"]
+    for key in ("prepare_s", "wave1_traffic_s", "cycle1_s", "wave2_traffic_s", "cycle2_s", "scoreboard_s", "total_s"):
+        assert t[key] >= 0
+    assert t["cycle1.train-sft_s"] > 0 and t["cycle2.gate_s"] > 0
     report = Path(res["report"]["path"])
     assert report.exists() and "<svg" in report.read_text()
+    # Library output went to the log under the home, not to the terminal.
+    log = Path(res["log"])
+    assert log.parent == home / "logs" and log.exists()
+    assert "FutureWarning" not in stderr and "Converting and de-quantizing" not in stderr
     # Nothing outside the home directory: everything the demo wrote lives under it.
     assert (home / "warehouse.duckdb").exists() and (home / "mlflow.db").exists()
     assert oct(home.stat().st_mode & 0o777) == "0o700"

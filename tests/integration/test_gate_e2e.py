@@ -82,7 +82,7 @@ SOLVES = {
     1: set(range(0, 24)) | set(range(0, 30, 5)),  # 25/30
     2: set(range(0, 12)),  # worse than 1
     3: set(range(0, 24)) | set(range(0, 30, 5)),  # equal to 1
-    4: ALL - {29},  # 29/30, superset of 1
+    4: ALL,  # 30/30, superset of 1: 5 wins, 0 losses (p = 1/32)
     5: set(range(0, 24)) | set(range(0, 30, 5)),
 }
 
@@ -189,7 +189,9 @@ def test_gate_promote_refuse_rollback(world):
     assert len(ev) == 1 and ev[0].payload["passed"] is True
     assert set(ev[0].causation) >= {"model:policy/1", w["heldout"], w["regression"]}
     assert {r["rule"] for r in ev[0].payload["rules"]} == {
-        "min_pass_rate", "min_improvement", "max_slice_regression", "max_regression_failures", "require_decontaminated"}
+        "min_paired_items", "significance", "min_improvement", "min_pass_rate", "max_slice_regression",
+        "max_regression_failures", "require_decontaminated"}
+    assert ev[0].payload["outcome"] == "passed" and ev[0].payload["p_value"] == pytest.approx(0.5**19)
     assert d1.report_path.exists() and "PASSED" in d1.report_path.read_text()
     run = tracker.get_run(ev[0].payload["mlflow_run_id"])
     assert run.data.tags["flywheel.gate.passed"] == "true" and run.data.metrics["passed"] == 1.0
@@ -204,10 +206,10 @@ def test_gate_promote_refuse_rollback(world):
     assert w["loads"][len(loads_before):] == ["model:policy/2"]  # champion v1 came from the cache
     assert d2.numbers["champion_evaluation_cached"] is True
     failed = {r.rule: r for r in d2.rules if not r.passed}
-    assert "min_improvement" in failed and "max_slice_regression" in failed
+    assert {"significance", "min_improvement", "max_slice_regression"} <= set(failed) and d2.outcome == "refused"
     assert any("does not exceed" in r for r in d2.reasons)
     d3 = _gate(w, 3)
-    assert not d3.passed and [r.rule for r in d3.rules if not r.passed] == ["min_improvement"]
+    assert not d3.passed and [r.rule for r in d3.rules if not r.passed] == ["significance", "min_improvement"]
     assert d3.numbers["diff"] == 0.0 and (d3.numbers["wins"], d3.numbers["losses"]) == (0, 0)
 
     # -- promotion refused without a passing decision (refused decision / none at all)
@@ -259,10 +261,26 @@ def test_evaluation_is_cached_per_model_and_suite_version(world):
     assert r2.items.equals(r1.items) and r1.summary()["passed"] == 25
     ev = store.read(stream=r1.evaluation_id, types="eval.completed")
     assert len(ev) == 1 and ev[0].causation == ["model:policy/1", w["heldout"]]
-    # a new suite version is a new evaluation
+    # a new suite version is a new evaluation; the items it shares with the earlier version (same
+    # task records) are reused, so a subset needs no model at all ...
     _put_suite(store, artifacts, "heldout", HELDOUT[:5])
     r3 = evaluate_model(cfg, store, artifacts, tracker, 1, "heldout", policy_loader=w["loader"])
     assert not r3.cached and r3.suite == "suite:heldout@2" and r3.n_items == 5
+    assert w["loads"] == ["model:policy/1"]
+    assert store.read(stream=r3.evaluation_id)[-1].payload["reused_items"] == 5
+    assert r3.items.to_pylist() == [r for r in r1.items.to_pylist() if r["task_id"] in {t["task_id"] for t in HELDOUT[:5]}]
+    # ... and a grown version generates only its new items.
+    new_items = [_task(200 + i, "get_time") for i in range(3)]
+    _put_suite(store, artifacts, "heldout", HELDOUT[:5] + new_items)
+    calls_before = sum(1 for _ in w["loads"])
+    r5 = evaluate_model(cfg, store, artifacts, tracker, 1, "heldout", policy_loader=w["loader"])
+    payload = store.read(stream=r5.evaluation_id)[-1].payload
+    assert payload["reused_items"] == 5 and r5.n_items == 8 and len(w["loads"]) == calls_before + 1
+    # a changed task record (same id) is not reused
+    changed = {**HELDOUT[0], "reference": {"tool_calls": [{"name": "get_weather", "arguments": {"arg": "other"}}]}}
+    _put_suite(store, artifacts, "heldout", [changed] + HELDOUT[1:5])
+    r6 = evaluate_model(cfg, store, artifacts, tracker, 1, "heldout", policy_loader=w["loader"])
+    assert store.read(stream=r6.evaluation_id)[-1].payload["reused_items"] == 4
     # a different decoding is a different cache key
     cfg.gate.max_new_tokens = 32
     r4 = evaluate_model(cfg, store, artifacts, tracker, 1, w["heldout"], policy_loader=w["loader"])
@@ -281,7 +299,8 @@ def test_cli_exit_codes(world, monkeypatch):
     res = runner.invoke(app, ["gate", "2", "--json"])
     assert res.exit_code == 3, res.output
     body = json.loads(res.stdout)
-    assert body["passed"] is False and any(r["rule"] == "min_improvement" and not r["passed"] for r in body["rules"])
+    assert body["passed"] is False and body["outcome"] == "refused"
+    assert any(r["rule"] == "significance" and not r["passed"] for r in body["rules"])
     res = runner.invoke(app, ["promote", "2"])
     assert res.exit_code == 3 and "promotion refused" in res.output
     res = runner.invoke(app, ["gate", "1"])
@@ -298,3 +317,47 @@ def test_cli_exit_codes(world, monkeypatch):
         ("promote", 1, False), ("promote", 3, True), ("rollback", 1, False)]
     res = runner.invoke(app, ["gate", "99"])
     assert res.exit_code == 1 and "not a registered model version" in res.output
+
+
+def test_too_few_paired_items_is_insufficient_evidence_and_the_champion_stays(world):
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    w = world
+    small = _put_suite(w["store"], w["artifacts"], "heldout", HELDOUT[:12])
+    d = run_gate(w["cfg"], w["store"], w["artifacts"], w["tracker"], 4, suite=small, policy_loader=w["loader"])
+    assert d.outcome == "insufficient_evidence" and not d.passed
+    assert d.numbers["paired_items"] == 12 and d.numbers["wins"] > 0
+    assert d.reasons[0].startswith("only 12 paired held-out items (< 30): insufficient evidence")
+    ev = w["store"].read(stream=d.gate_id, types="gate.decided")[-1]
+    assert ev.payload["outcome"] == "insufficient_evidence" and ev.payload["passed"] is False
+    assert "INSUFFICIENT EVIDENCE" in d.report_path.read_text()
+    with pytest.raises(PromotionRefused):
+        promote(w["cfg"], w["store"], w["tracker"], 4)
+    assert w["tracker"].get_alias_version("policy", "champion") is None
+    # The CLI says so with its own exit code (4), distinct from a refusal (3).
+    w["store"].close()
+    import flywheel.evaluate as ev_mod
+
+    orig = ev_mod.default_policy_loader
+    ev_mod.default_policy_loader = lambda cfg, tracker: w["loader"]
+    try:
+        res = CliRunner().invoke(app, ["gate", "4", "--suite", "heldout@2", "--json"])
+    finally:
+        ev_mod.default_policy_loader = orig
+    assert res.exit_code == 4, res.output
+    assert json.loads(res.stdout)["outcome"] == "insufficient_evidence"
+
+
+def test_an_unreadable_regression_suite_is_a_gate_error_not_a_passing_rule(world):
+    from flywheel.gate import GateError
+
+    w = world
+    reg = w["store"].read(stream="suite:regression", types="suite.versioned")[-1].payload
+    path = w["artifacts"].path(reg["artifact"]["sha256"], "json")
+    path.chmod(0o600)
+    path.write_text('{"kind": "suite", "members": "not a list"')  # bit rot: hash no longer matches
+    with pytest.raises(GateError, match="regression suite 'regression' is recorded but unreadable"):
+        _gate(w, 1)
+    assert not w["store"].read(types="gate.decided")

@@ -15,7 +15,7 @@ from flywheel.policy import openai_http
 from flywheel.policy.base import PolicyRequestError, Sample, SamplingParams
 from flywheel.policy.openai_http import OpenAIPolicy
 from flywheel.policy.testing import make_lora_adapter, session_tiny_home, tiny_policy
-from flywheel.serve import ServeLimits, create_app, run_in_thread, static_provider
+from flywheel.serve import AdapterLoading, ServeLimits, create_app, run_in_thread, static_provider
 
 CHAT = [{"role": "user", "content": "What's the weather in Paris?"}]
 WEATHER = {
@@ -45,8 +45,20 @@ def policy(tiny_home):
 
 
 @pytest.fixture(scope="module")
-def server(policy):
-    app = create_app(static_provider("tiny", policy), limits=ServeLimits(max_tokens=64, max_n=8, max_body_bytes=4096))
+def adapter_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("adapters")
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return []
+
+
+@pytest.fixture(scope="module")
+def server(policy, adapter_root, recorded):
+    loading = AdapterLoading((adapter_root,), lambda type_, stream, payload: recorded.append((type_, stream, payload)))
+    app = create_app(static_provider("tiny", policy), limits=ServeLimits(max_tokens=64, max_n=8, max_body_bytes=4096),
+                     adapter_loading=loading)
     with run_in_thread(app) as url:
         yield url
 
@@ -134,8 +146,8 @@ def test_tool_calls_are_parsed_into_openai_tool_calls():
         assert "tool_calls" not in prose["choices"][0]["message"]
 
 
-def test_lora_load_generate_unload(client, tiny_home, tmp_path, server):
-    adapter = make_lora_adapter(tiny_home, tmp_path / "lora", seed=3)
+def test_lora_load_generate_unload(client, tiny_home, adapter_root, server, recorded):
+    adapter = make_lora_adapter(tiny_home, adapter_root / "lora", seed=3)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
     (base,) = client.generate([CHAT], greedy)
     client.load_lora_adapter("ft1", str(adapter))
@@ -152,8 +164,10 @@ def test_lora_load_generate_unload(client, tiny_home, tmp_path, server):
         client.unload_lora_adapter("ft1")
     assert e.value.status == 404
     with pytest.raises(PolicyRequestError) as e:
-        client.load_lora_adapter("ft2", str(tmp_path / "missing"))
+        client.load_lora_adapter("ft2", str(adapter_root / "missing"))
     assert e.value.status == 400 and "adapter_config.json" in e.value.body
+    assert [(t, stream, p["lora_name"]) for t, stream, p in recorded] == [
+        ("adapter.loaded", "serve:tiny", "ft1"), ("adapter.unloaded", "serve:tiny", "ft1")]
 
 
 @pytest.mark.parametrize(
@@ -192,7 +206,7 @@ def test_bad_json_oversized_body_and_unknown_route(server):
         for _ in range(10):
             yield b" " * 1000
 
-    r = httpx.post(f"{server}/v1/chat/completions", content=chunks())
+    r = httpx.post(f"{server}/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413
     r = httpx.get(f"{server}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

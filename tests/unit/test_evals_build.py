@@ -108,21 +108,73 @@ def test_a_changed_failure_updates_its_eval_in_place_and_keeps_its_split(cfg, st
     assert load_suite(store, arts, name).version == 2
 
 
-def test_regression_evals_from_successes_deduplicated_in_their_own_suite(cfg, store, arts):
-    msgs = [{"role": "user", "content": "Weather in Oslo"}, openai_call("get_weather", {"city": "Oslo"})]
-    for i in range(3):  # the same success, three times in production
-        append_success_trace(store, f"ok-{i}", msgs, [WEATHER])
-    append_success_trace(store, "ok-x", [{"role": "user", "content": "Weather in Lima"},
-                                         openai_call("get_weather", {"city": "Lima"})], [WEATHER])
+def _weather_success(store, trace_id: str, city: str) -> str:
+    msgs = [{"role": "user", "content": ASKS[city]}, openai_call("get_weather", {"city": city})]
+    return append_success_trace(store, trace_id, msgs, [WEATHER])
+
+
+def test_successes_are_dealt_by_cluster_train_side_to_regression_heldout_side_to_heldout(cfg, store, arts):
+    for i in range(3):  # the same success, three times in production: one eval
+        _weather_success(store, f"ok-oslo-{i}", "Oslo")
+    for city in CITIES[1:]:
+        _weather_success(store, f"ok-{city}", city)
     s = build_evals(cfg, store, arts)
     reg = load_suite(store, arts, "regression")
-    assert len(reg.tasks) == 2 and s.splits == {"regression": 2}
-    assert {t["metadata"]["origin_trace"] for t in reg.tasks} == {"trace:ok-0", "trace:ok-x"}
+    held = load_suite(store, arts, "heldout")
+    assert len(reg.tasks) + len(held.tasks) == len(CITIES)  # the duplicates made one eval
+    assert reg.tasks and held.tasks, "successes are dealt to both sides"
+    assert s.splits == {"regression": len(reg.tasks), "heldout": len(held.tasks)}
     assert all(t["metadata"]["split"] == "regression" for t in reg.tasks)
-    # No failures: train and held-out suites are not versioned empty.
-    assert s.empty_suites == ["train", "heldout"] and not s.skipped
+    assert all(t["metadata"]["split"] == "heldout" and t["metadata"]["origin_outcome"] == "success" for t in held.tasks)
+    assert not {t["metadata"]["cluster"] for t in reg.tasks} & {t["metadata"]["cluster"] for t in held.tasks}
+    assert "trace:ok-oslo-0" in {t["metadata"]["origin_trace"] for t in reg.tasks + held.tasks}
+    assert s.heldout == {"items": len(held.tasks), "failures": 0, "successes": len(held.tasks),
+                         "clusters": len(held.tasks)}
+    # No failures: the train suite is not versioned empty.
+    assert s.empty_suites == ["train"] and not s.skipped
     with pytest.raises(LookupError, match="flywheel evals build"):
-        load_suite(store, arts, "heldout")
+        load_suite(store, arts, "train")
+
+
+def test_a_failure_near_a_train_side_success_never_goes_to_heldout(cfg, store, arts):
+    # Successes recorded before this change sit in the regression suite (split "regression"): their
+    # answers are SFT demonstrations, so a near-copy failure must join the train side.
+    for city in CITIES[:4]:
+        _weather_success(store, f"ok-{city}", city)
+    cfg.evals.heldout_fraction = 0.01
+    build_evals(cfg, store, arts)
+    assert len(load_suite(store, arts, "regression").tasks) == 4
+    cfg.evals.heldout_fraction = 0.99  # a fresh deal would almost surely say held-out
+    f = failure_payload([{"role": "user", "content": ASKS[CITIES[0]] + "?"}], [WEATHER],
+                        openai_call("get_weather", {"city": "Nowhere"}), ["wrong_arg_value"],
+                        correction={"tool_calls": [{"name": "get_weather", "arguments": {"city": CITIES[0]}}]})
+    append_failure(store, f)
+    build_evals(cfg, store, arts)
+    st = store.entity(eval_id(f["entity_id"]))["state"]
+    assert st["split"] == "train"
+    ok = next(t for t in load_suite(store, arts, "regression").tasks if t["metadata"]["origin_trace"] == f"trace:ok-{CITIES[0]}")
+    assert st["cluster"] == ok["metadata"]["cluster"]
+
+
+def test_a_heldout_suite_too_small_to_decide_is_reported_before_training(cfg, store, arts):
+    append_failures(store, [weather_failure(c) for c in CITIES])
+    s = build_evals(cfg, store, arts)
+    assert 0 < s.heldout["items"] < cfg.gate.min_paired_items
+    (warning,) = s.warnings
+    assert f"the held-out suite has {s.heldout['items']} items, fewer than gate.min_paired_items = 30" in warning
+    assert "insufficient evidence" in warning and "request clusters" in warning and "ingest more traffic" in warning
+    # Enough held-out items: nothing to say.
+    cfg.gate.min_paired_items = s.heldout["items"]
+    assert build_evals(cfg, store, arts).warnings == []
+
+
+def test_an_empty_heldout_suite_says_why(cfg, store, arts):
+    cfg.evals.heldout_fraction = 0.001
+    append_failures(store, [weather_failure(c) for c in CITIES[:3]])
+    s = build_evals(cfg, store, arts)
+    assert s.empty_suites == ["heldout", "regression"]
+    (warning,) = s.warnings
+    assert warning.startswith("the held-out suite is empty") and "3 evals in 3 request clusters, 0 of them held out" in warning
 
 
 def test_llm_judge_evals_stay_out_of_the_gate_suite_unless_configured(cfg, store, arts):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from flywheel.config import GateConfig
 from flywheel.gate import (
     DecontaminationStatus,
@@ -14,19 +16,16 @@ from flywheel.gate import (
     decide,
     gate_id_for,
     item_labels,
-    paired_bootstrap,
+    paired_stats,
     render_markdown,
     rule_decontaminated,
     rule_max_regression_failures,
     rule_max_slice_regression,
     rule_min_improvement,
     rule_min_pass_rate,
+    rule_significance,
     training_signatures,
 )
-
-
-def boot(champ, chall, **kw):
-    return paired_bootstrap(champ, chall, samples=kw.pop("samples", 2000), seed=0, **kw)
 
 
 # ---------------------------------------------------------------- min_pass_rate
@@ -39,23 +38,33 @@ def test_min_pass_rate_pass_fail_and_boundary():
     assert not r.passed and "no scorable" in r.reason
 
 
-# ---------------------------------------------------------------- min_improvement
-def test_min_improvement_uses_ci_lower_bound_strictly():
-    # CI [0.25, 1.0] (hand-derived in test_bootstrap.py)
-    b = boot([0, 0, 0, 1], [1, 1, 1, 1])
-    assert rule_min_improvement(b, 0.2).passed
-    r = rule_min_improvement(b, 0.25)
-    assert not r.passed and "does not exceed 0.250" in r.reason and "3 wins / 0 losses" in r.reason
-    assert r.value == 0.25
+# ---------------------------------------------------------------- significance + min_improvement
+def _table(wins, losses, n, both=0):
+    """Aligned champion/challenger vectors with the given discordant counts (the rest both fail)."""
+    neither = n - wins - losses - both
+    champ = [1] * both + [0] * wins + [1] * losses + [0] * neither
+    chall = [1] * both + [1] * wins + [0] * losses + [0] * neither
+    return champ, chall
 
 
-def test_min_improvement_refuses_equal_and_worse():
-    equal = boot([1, 0, 1, 0, 1] * 4, [1, 0, 1, 0, 1] * 4)
-    assert equal.lo == 0.0 and not rule_min_improvement(equal, 0.0).passed
-    worse = boot([1] * 10, [1] * 5 + [0] * 5)
-    r = rule_min_improvement(worse, 0.0)
-    assert not r.passed and worse.hi < 0
-    assert not rule_min_improvement(boot([], []), 0.0).passed
+def test_min_improvement_uses_the_newcombe_lower_bound_strictly():
+    st = paired_stats(*_table(12, 1, 40))
+    # one-sided 95% Newcombe bound of 12 wins / 1 loss / 27 ties on 40 items (by flywheel.stats).
+    assert st.lower_bound == pytest.approx(0.13809, abs=1e-4)
+    assert rule_min_improvement(st, 0.1).passed
+    r = rule_min_improvement(st, 0.14)
+    assert not r.passed and "does not exceed 0.140" in r.reason and r.value == st.lower_bound
+
+
+def test_min_improvement_and_significance_refuse_equal_and_worse():
+    equal = paired_stats([1, 0, 1, 0, 1] * 8, [1, 0, 1, 0, 1] * 8)
+    assert equal.p_value == 1.0 and equal.lower_bound < 0
+    assert not rule_min_improvement(equal, 0.0).passed and not rule_significance(equal).passed
+    worse = paired_stats([1] * 40, [1] * 30 + [0] * 10)
+    assert worse.p_value == 1.0 and worse.newcombe_hi < 0
+    assert not rule_min_improvement(worse, 0.0).passed and not rule_significance(worse).passed
+    empty = paired_stats([], [])
+    assert not rule_min_improvement(empty, 0.0).passed and not rule_significance(empty).passed
 
 
 # ---------------------------------------------------------------- max_slice_regression
@@ -175,33 +184,122 @@ def test_originating_failures_slice_and_contamination_label():
 
 
 # ---------------------------------------------------------------- decide + report
-def _evidence(champ, chall, decon=True, reg=None):
-    b = boot(champ, chall)
-    items = [PairedItem(str(i), bool(c), bool(h), ("kind:x",)) for i, (c, h) in enumerate(zip(champ, chall, strict=True))]
-    return GateEvidence(b, tuple(compute_slices(items)), reg, DecontaminationStatus(decon, "by construction"))
+def _evidence(champ, chall, decon=True, reg=None, labels=("kind:x",)):
+    st = paired_stats(champ, chall, bootstrap_samples=2000)
+    items = [PairedItem(str(i), bool(c), bool(h), labels) for i, (c, h) in enumerate(zip(champ, chall, strict=True))]
+    return GateEvidence(st, tuple(compute_slices(items)), reg, DecontaminationStatus(decon, "by construction"))
+
+
+RULES = ["min_paired_items", "significance", "min_improvement", "min_pass_rate", "max_slice_regression",
+         "max_regression_failures", "require_decontaminated"]
 
 
 def test_decide_runs_every_rule_and_collects_reasons():
-    cfg = GateConfig(min_pass_rate=0.5, min_improvement=0.0, bootstrap_samples=2000)
+    cfg = GateConfig(min_pass_rate=0.5, min_improvement=0.0, bootstrap_samples=2000, min_paired_items=20)
     better = _evidence([0] * 10 + [1] * 10, [1] * 18 + [0] * 2)
-    passed, rules = decide(better, cfg)
-    assert passed and [r.rule for r in rules] == [
-        "min_pass_rate", "min_improvement", "max_slice_regression", "max_regression_failures", "require_decontaminated"]
+    outcome, rules = decide(better, cfg)
+    assert outcome == "passed" and [r.rule for r in rules] == RULES and all(r.passed for r in rules)
     worse = _evidence([1] * 18 + [0] * 2, [0] * 10 + [1] * 10, decon=False)
-    passed, rules = decide(worse, cfg)
+    outcome, rules = decide(worse, cfg)
     failed = {r.rule for r in rules if not r.passed}
-    assert not passed and failed == {"min_improvement", "max_slice_regression", "require_decontaminated"}
+    assert outcome == "refused"
+    assert failed == {"significance", "min_improvement", "max_slice_regression", "require_decontaminated"}
+
+
+# Known answers (issue: "the flywheel must prove each lift").
+def test_four_wins_no_loss_of_nine_is_not_evidence():
+    cfg = GateConfig(min_paired_items=1)
+    st = paired_stats(*_table(4, 0, 9))
+    assert st.p_value == pytest.approx(1 / 16, abs=1e-12)  # 0.0625 > 0.05
+    # The percentile bootstrap would have passed it (lower bound +11% on the demo's run).
+    assert st.boot.lo > 0
+    outcome, rules = decide(_evidence(*_table(4, 0, 9)), cfg)
+    assert outcome == "refused" and not next(r for r in rules if r.rule == "significance").passed
+    # With the default minimum of 30 paired items it is not even a decision.
+    outcome, rules = decide(_evidence(*_table(4, 0, 9)), GateConfig())
+    assert outcome == "insufficient_evidence"
+    why = rules[0].reason
+    assert "only 9 paired held-out items (< 30)" in why and "would need about" in why
+
+
+def test_three_wins_one_loss_of_four_is_refused():
+    st = paired_stats(*_table(3, 1, 4))
+    assert st.p_value == pytest.approx(5 / 16, abs=1e-12)
+    assert decide(_evidence(*_table(3, 1, 4)), GateConfig(min_paired_items=1))[0] == "refused"
+
+
+def test_twelve_wins_one_loss_of_forty_passes():
+    st = paired_stats(*_table(12, 1, 40))
+    assert st.p_value == pytest.approx(14 / 8192, abs=1e-12)
+    outcome, rules = decide(_evidence(*_table(12, 1, 40)), GateConfig())
+    assert outcome == "passed", [r.reason for r in rules if not r.passed]
+
+
+def test_equal_models_are_refused_at_any_size():
+    for n in (30, 200):
+        champ = [1, 0] * (n // 2)
+        outcome, _ = decide(_evidence(champ, list(champ)), GateConfig())
+        assert outcome == "refused"
+    # A swap of equal numbers of wins and losses is no evidence either.
+    champ, chall = _table(10, 10, 60)
+    assert decide(_evidence(champ, chall), GateConfig())[0] == "refused"
+
+
+def test_one_worse_slice_blocks_an_otherwise_significant_lift():
+    # 40 items: 15 wins overall, but the 'tool:g' slice (10 items) loses 3 it used to pass.
+    champ = [0] * 15 + [0] * 15 + [1] * 3 + [1] * 7
+    chall = [1] * 15 + [0] * 15 + [0] * 3 + [1] * 7
+    items = [PairedItem(str(i), bool(c), bool(h), ("tool:f",) if i < 30 else ("tool:g",))
+             for i, (c, h) in enumerate(zip(champ, chall, strict=True))]
+    st = paired_stats(champ, chall)
+    assert st.p_value < 0.05 and st.lower_bound > 0
+    ev = GateEvidence(st, tuple(compute_slices(items)), None, DecontaminationStatus(True, "by construction"))
+    outcome, rules = decide(ev, GateConfig())
+    assert outcome == "refused"
+    assert [r.rule for r in rules if not r.passed] == ["max_slice_regression"]
+    # A blocking rule refuses even below min_paired_items: harm needs no large suite.
+    outcome, _ = decide(ev, GateConfig(min_paired_items=100))
+    assert outcome == "refused"
+
+
+def test_p_values_equal_scipy_binomtest():
+    from scipy.stats import binomtest
+
+    from flywheel.stats import sign_test
+
+    for wins in range(0, 61):
+        for losses in range(0, 61 - wins):
+            if wins + losses == 0:
+                assert sign_test(0, 0) == 1.0
+                continue
+            ref = binomtest(wins, wins + losses, 0.5, alternative="greater").pvalue
+            assert abs(sign_test(wins, losses) - ref) <= 1e-12
+    # ... and the gate's own statistics carry exactly that p-value.
+    for wins, losses in ((4, 0), (3, 1), (12, 1), (9, 4), (0, 5), (20, 20)):
+        ref = binomtest(wins, wins + losses, 0.5, alternative="greater").pvalue
+        assert abs(paired_stats(*_table(wins, losses, 45)).p_value - ref) <= 1e-12
 
 
 def test_report_and_gate_id():
     cfg = GateConfig()
     ev = _evidence([0, 1, 0, 1, 0, 1], [1, 1, 1, 1, 0, 1])
-    passed, rules = decide(ev, cfg)
-    d = GateDecision("gate:abc", passed, [r.reason for r in rules if not r.passed], rules,
-                     {"challenger": "model:policy/2", "champion": "model:policy/1", "slices": [], "confidence": 0.95},
+    outcome, rules = decide(ev, cfg)
+    assert outcome == "insufficient_evidence"
+    d = GateDecision("gate:abc", outcome, [r.reason for r in rules if not r.passed], rules,
+                     {"challenger": "model:policy/2", "champion": "model:policy/1", "slices": [], "confidence": 0.95,
+                      "p_value": ev.stats.p_value, "paired_items": 6, "min_paired_items": 30,
+                      "by_origin": {"failure": {"n": 4, "champion_rate": 0.25, "challenger_rate": 0.75, "wins": 2,
+                                                "losses": 0}}},
                      suite=SUITE)
     md = render_markdown(d)
-    assert md.startswith("# Gate gate:abc: ") and "| min_improvement |" in md and "| require_decontaminated | pass |" in md
+    assert md.startswith("# Gate gate:abc: INSUFFICIENT EVIDENCE") and "| min_improvement |" in md
+    assert "| require_decontaminated | pass |" in md and "fix rate" in md and "p = 0.25 " in md
+    assert not d.passed and d.to_json()["outcome"] == "insufficient_evidence"
     assert gate_id_for({"a": 1, "b": [1.0]}) == gate_id_for({"b": [1.0], "a": 1})
     assert gate_id_for({"a": 1}) != gate_id_for({"a": 2})
-    assert GateDecision.from_payload({**d.to_json(), "entity_id": d.gate_id}).rules == rules
+    back = GateDecision.from_payload({**d.to_json(), "entity_id": d.gate_id})
+    assert back.rules == rules and back.outcome == "insufficient_evidence"
+    # A decision recorded before outcomes existed reads back as passed/refused.
+    legacy = {k: v for k, v in d.to_json().items() if k != "outcome"}
+    assert GateDecision.from_payload({**legacy, "entity_id": "gate:x", "passed": True}).outcome == "passed"
+    assert GateDecision.from_payload({**legacy, "entity_id": "gate:y", "passed": False}).outcome == "refused"

@@ -4,19 +4,80 @@ from __future__ import annotations
 
 import itertools
 
+from fixtures import agent_traffic
+
 from flywheel.artifacts import open_artifacts
 from flywheel.envs.testing import append_failures, failure_payload, openai_call
 from flywheel.evals import build_evals, load_suite
-from flywheel.split import SplitIndex, deal, normalise, request_text, signature
+from flywheel.split import SplitIndex, deal, normalise, request_key, request_text, signature, tool_names
 from flywheel.verifiers.bfcl import bfcl_answer_to_expected, load_bfcl
 
 
-def test_request_text_normalises_and_ignores_answers():
-    a = request_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in  PORTO, please!"},
-                      {"role": "assistant", "content": "whatever"}, {"role": "tool", "content": "{}"}],
-                     [{"type": "function", "function": {"name": "get_weather"}}])
-    assert a == "be brief weather in porto please | tools get weather"
+def test_request_text_is_the_user_turns_normalised_and_ignores_answers():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in  PORTO, please!"},
+            {"role": "assistant", "content": "whatever"}, {"role": "tool", "content": "{}"}]
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    # The system prompt and the tools are what an agent's requests share: not in the text.
+    assert request_text(msgs, tools) == "weather in porto please"
+    assert request_key(msgs, tools) == ("weather in porto please", ("get weather",))
     assert normalise("Ｗｅａｔｈｅｒ—in Porto?") == "weather in porto"  # NFKC + punctuation runs
+    # No user text at all: the system text is what varies.
+    assert request_text([{"role": "system", "content": "Summarise ticket #42"}]) == "summarise ticket 42"
+
+
+def test_the_same_words_put_to_another_agent_are_another_request():
+    idx = SplitIndex(heldout_fraction=0.5, seed="s", jaccard=0.7)
+    q = [{"role": "user", "content": "What can you do for me today?"}]
+    travel = tool_names([{"type": "function", "function": {"name": n}} for n in ("get_weather", "search_hotels")])
+    bank = tool_names([{"type": "function", "function": {"name": n}} for n in ("get_balance", "transfer_funds")])
+    a = idx.assign("a", request_text(q), travel)
+    b = idx.assign("b", request_text(q), bank)
+    assert a.cluster != b.cluster and a.request_hash != b.request_hash
+    # ... while a tool list that mostly overlaps (one tool added in a later deploy) is the same agent.
+    travel2 = tuple(sorted(travel + ("convert currency",)))
+    c = idx.assign("c", request_text([{"role": "user", "content": "what can you do for me today"}]), travel2)
+    assert c.cluster == a.cluster
+
+
+def _place(traffic, seed="flywheel-split-v1", fraction=0.3):
+    idx = SplitIndex(heldout_fraction=fraction, seed=seed, jaccard=0.7)
+    return [idx.assign(f"r{i}", *request_key(r.messages, r.tools)) for i, r in enumerate(traffic)]
+
+
+def test_an_agent_with_a_long_shared_system_prompt_gets_a_heldout_share():
+    """80 requests of a travel agent (1,479-character system prompt, 4 tools, 68 distinct questions
+    in 20 cities + 12 near-paraphrases). Clustered on the whole request text they all looked alike:
+    one cluster, 80 train and 0 held-out. Clustered on what varies, the held-out share is near 0.3
+    and every paraphrase sits with its original."""
+    traffic = agent_traffic.travel_traffic()
+    assert len(traffic) == 80 and len(agent_traffic.TRAVEL_SYSTEM) > 1400
+    for seed in ("flywheel-split-v1", "another-seed"):
+        placed = _place(traffic, seed)
+        share = sum(p.split == "heldout" for p in placed) / len(placed)
+        assert abs(share - 0.3) <= 0.1, (seed, share)
+        assert len({p.cluster for p in placed}) >= 60  # distinct questions are distinct clusters
+        by_question: dict[str, set[str]] = {}
+        for r, p in zip(traffic, placed, strict=True):
+            by_question.setdefault(r.paraphrase_of or r.question, set()).add(p.cluster)
+        assert all(len(c) == 1 for c in by_question.values()), "a near-paraphrase left its original's cluster"
+
+
+def test_several_agents_templated_and_free_form_questions_split_by_cluster():
+    traffic = agent_traffic.travel_traffic() + agent_traffic.bank_traffic() + agent_traffic.code_traffic()
+    placed = _place(traffic)
+    share = sum(p.split == "heldout" for p in placed) / len(placed)
+    assert abs(share - 0.3) <= 0.1, share
+    clusters: dict[str, set[str]] = {}
+    agents: dict[str, set[str]] = {}
+    for r, p in zip(traffic, placed, strict=True):
+        clusters.setdefault(p.cluster, set()).add(p.split)
+        agents.setdefault(p.cluster, set()).add(r.agent)
+    assert all(len(v) == 1 for v in clusters.values())  # a cluster lives on one side
+    assert all(len(v) == 1 for v in agents.values())  # and never spans two agents
+    # Each agent contributes to both sides.
+    for agent in ("travel", "bank", "code"):
+        sides = {p.split for r, p in zip(traffic, placed, strict=True) if r.agent == agent}
+        assert sides == {"train", "heldout"}, (agent, sides)
 
 
 def test_deal_is_a_pure_function_of_cluster_and_seed():
@@ -132,7 +193,7 @@ def test_split_is_stable_across_rebuilds_new_failures_and_config_changes(cfg, st
     # Held-out and train never share a cluster, and no cross pair is a near-duplicate.
     train, held = load_suite(store, arts, "train"), load_suite(store, arts, "heldout")
     assert not {t["metadata"]["cluster"] for t in train.tasks} & {t["metadata"]["cluster"] for t in held.tasks}
-    sig = {t["task_id"]: signature(request_text(t["prompt"]["messages"], t["prompt"]["tools"]))
+    sig = {t["task_id"]: signature(request_text(t["prompt"]["messages"]))
            for t in train.tasks + held.tasks}
     worst = max(sig[a["task_id"]].jaccard(sig[b["task_id"]]) for a in train.tasks for b in held.tasks)
     assert worst < cfg.evals.cluster_jaccard

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flywheel.envs.testing import ScriptedPolicy, append_failures, failure_payload, tool_spec
+from flywheel.evals import eval_id
 from flywheel.synth import (
     Candidate,
     bfcl_tasks,
@@ -357,3 +358,48 @@ def test_cli_synth_prints_the_funnel_as_json(cfg, store, home):
     assert set(data["by_generator"]) <= {"mutate", "distractor"}
     bad = CliRunner().invoke(app, ["synth", "--generators", "nope", "--home", str(home)])
     assert bad.exit_code == 1 and "unknown generator" in bad.output
+
+
+@pytest.mark.slow
+def test_a_second_cycle_keeps_held_out_items_away_from_earlier_synthetic_tasks(cfg, store):
+    """Cycle 1 accepts a synthetic batch decontaminated against heldout@1. Cycle 2's traffic brings a
+    question that is a near-copy of one of those synthetic variants: it must not be held out (the
+    champion trained on its twin), and the batch is re-checked against heldout@2, so the gate's
+    decontamination rule can vouch for every batch in a cycle-2 model's lineage."""
+    from flywheel.artifacts import open_artifacts
+    from flywheel.envs.build import build_envs, load_env
+    from flywheel.evals import build_evals, load_suite
+
+    _populate(store, cfg)
+    a = open_artifacts(cfg)
+    s1 = run_synth(cfg, store, a, per_seed=2)
+    held1 = load_suite(store, a, "heldout")
+    assert s1.decontaminated_against == [held1.entity_id]
+    variant = next(t for t in load_env(store, a, "train").tasks if t["task_id"].startswith("synth:"))
+
+    # Wave 2: the variant's request arrives from production (lightly edited) and fails; with
+    # heldout_fraction ~1 a fresh deal would hold it out.
+    cfg.evals.heldout_fraction = 0.999
+    q = request_text(variant) + " Thanks!"
+    f = failure_payload([{"role": "user", "content": q}], variant["prompt"]["tools"],
+                        {"role": "assistant", "content": "no"}, ["no_tool_call"],
+                        correction={"tool_calls": variant["reference"]["tool_calls"]}, source="bfcl")
+    others = [failure_payload([{"role": "user", "content": f"Completely new question number {i} about {w}"}], [],
+                              {"role": "assistant", "content": "no"}, ["other"], correction={"content": "ok"})
+              for i, w in enumerate(["tides", "volcanoes", "orchids"])]
+    append_failures(store, [f, *others])
+    summary = build_evals(cfg, store, a)
+    state = store.entity(eval_id(f["entity_id"]))["state"]
+    assert state["split"] == "excluded" and variant["task_id"] in state["excluded_because"]
+    assert summary.excluded_contaminated == 1
+    held2 = load_suite(store, a, "heldout")
+    assert held2.version == 2 and eval_id(f["entity_id"]) not in held2.task_ids
+    assert set(held1.task_ids) < set(held2.task_ids)  # a superset: no item changed side
+
+    # Cycle 2's synth stage re-checks the cycle-1 batch against heldout@2 before anything else.
+    build_envs(cfg, store, a)
+    run_synth(cfg, store, a, per_seed=2)
+    batch = store.entity(s1.batch)["state"]
+    assert batch["decontaminated_against"] == [held1.entity_id, held2.entity_id] and batch["contaminated"] == []
+    rechecks = store.read(stream=s1.batch, types="synth.batch_rechecked")
+    assert len(rechecks) == 1 and rechecks[0].causation == []  # no lineage edge to the held-out suite
