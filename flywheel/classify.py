@@ -8,7 +8,9 @@ in :data:`FAILURE_KINDS` order):
     not parse (the shared parser :func:`flywheel.verifiers.parse_tool_calls` reports an error).
 ``unknown_tool``
     a call names a function that is not in ``tools`` (BFCL's ``math_factorial`` for ``math.factorial``
-    is accepted, as the verifier does).
+    is accepted, as the verifier does). A tool the trace marks as recorded without a schema
+    (``metadata.tool_schema_sources[name] == "none"``: the telemetry kept the call, not the
+    definition) is not unknown; its arguments cannot be checked and ``details`` says so.
 ``missing_required_arg``
     a parameter in the tool schema's ``required`` list (or a non-optional parameter of the correction)
     is absent.
@@ -51,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from flywheel.tool_registry import undeclared_names
 
 FAILURE_KINDS = (
     "invalid_json",
@@ -296,9 +300,12 @@ def classify(trace: dict[str, Any]) -> Classification:
         kinds.add("invalid_json")
         details += problems
     schemas = tool_schemas(tools)
+    no_schema = undeclared_names(trace)
     for c in calls:
         resolved = _resolve(c.name, schemas)
-        if resolved is None:
+        if resolved is None and c.name in no_schema:
+            details.append(f"call to {c.name!r}: no schema was recorded, its arguments are not checked")
+        elif resolved is None:
             kinds.add("unknown_tool")
             details.append(f"call to undeclared tool {c.name!r}")
         elif c.arguments is not None:

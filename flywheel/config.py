@@ -73,6 +73,11 @@ class IngestConfig(_Section):
         768, ge=64, description="DuckDB buffer-pool cap while ingesting (restored afterwards), so peak RSS "
         "stays bounded however large the warehouse grows."
     )
+    tool_registry: Path | None = Field(
+        None, description="OpenAI function specs (a JSON file, or a directory of them) that supply the schemas "
+        "of tools a trace calls but does not declare (telemetry often records calls, not definitions). Relative "
+        "paths are taken from the working directory. Unset: such tools are ingested as undeclared."
+    )
     workers: int = Field(
         1, ge=0, description="Preparation processes per file of at least 32 MiB; 0 = a thread only. "
         "OpenAI-format files are split between them by batch; each adds ~0.55 GB peak RSS."

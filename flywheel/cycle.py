@@ -152,6 +152,21 @@ class CycleResources:
         self.store.close()
 
 
+def sandbox_warning(result: dict[str, Any]) -> str | None:
+    """The loud line for a cycle whose sandboxed verifiers were weak, or whose rewards were dropped
+    (shown by the CLI's summary and the HTML report)."""
+    st = result.get("stages", {})
+    sb = st.get("sandbox") or {}
+    parts = [sb["warning"]] if sb.get("warning") else []
+    for key in ("rollouts", "rollouts_after_sft"):
+        s = (st.get(key) or {}).get("stats") or {}
+        if s.get("untrainable"):
+            parts.append(f"{key}: {s['untrainable']} samples kept out of training (weak-sandbox verdicts)")
+        if s.get("infra_errors"):
+            parts.append(f"{key}: {s['infra_errors']} samples had verifier infrastructure errors")
+    return "; ".join(parts) or None
+
+
 def summarize(value: Any) -> Any:
     """A JSON-safe view of a stage summary (dataclasses with ``to_dict``/``to_json``)."""
     for attr in ("to_dict", "to_json"):

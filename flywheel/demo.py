@@ -243,7 +243,11 @@ def replay_traffic(base_url: str, items: list[Any], out_path: Path, *, model: st
         def ask(item: Any) -> dict[str, Any]:
             body = {"model": model, "messages": item.question_messages, "tools": item.tools,
                     "temperature": 0.0, "max_tokens": max_tokens}
-            r = client.post("/v1/chat/completions", json=body)
+            for attempt in range(6):  # a gateway retries "busy" answers (429, 503) with backoff
+                r = client.post("/v1/chat/completions", json=body)
+                if r.status_code not in (429, 503):
+                    break
+                time.sleep(float(r.headers.get("retry-after") or 0) or 0.5 * 2**attempt)
             if r.status_code != 200:
                 raise DemoError(f"the server refused question {item.id}: HTTP {r.status_code} {r.text[:300]}")
             msg = r.json()["choices"][0]["message"]

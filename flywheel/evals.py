@@ -16,7 +16,8 @@ A JSON-serialisable dict::
                          "replay": bool},
      "reference": {"tool_calls": [{"name", "arguments"}]} | {"content": str} | null,
      "metadata": {"failure_kinds", "tools": [names], "source", "split", "cluster", "origin_failure",
-                  "origin_trace", "weak", "deterministic", "verifier_kind", "request_hash"}}
+                  "origin_trace", "weak", "deterministic", "verifier_kind", "request_hash",
+                  "tool_schema_sources": {name: "trace" | "registry" | "none"}}}
 
 - ``reference`` is one concrete correct answer when one is known (from a correction: each argument's
   literal, or the first allowed value of a ``one_of``; optional arguments are omitted unless the tool
@@ -29,7 +30,13 @@ A JSON-serialisable dict::
   with ``scope: "all"``: every call the model makes during the episode is matched as one answer.
 - ``metadata.split``: ``train`` | ``heldout`` | ``excluded`` (bridges both sides, see
   :mod:`flywheel.split`) | ``regression``. ``weak``: the verifier checks validity only (no
-  correction was known). ``deterministic``: false for ``llm_judge``.
+  correction was known, or a tool it calls has no schema). ``deterministic``: false for ``llm_judge``.
+- ``metadata.tool_schema_sources``: where each tool's schema came from: the trace itself, the
+  ``[ingest] tool_registry``, or nowhere (the telemetry recorded the call but not the definition:
+  :mod:`flywheel.tool_registry`). A tool with no schema is offered to the model under its name with
+  an open ``{"type": "object"}`` parameters schema, so the verifier checks only what it can (the
+  name, that the arguments are an object, the values a correction or the recorded call gives) and
+  the eval is marked weak.
 
 Verifier per failure kind (first rule that applies)
 ---------------------------------------------------
@@ -94,8 +101,11 @@ import pyarrow as pa
 
 from flywheel.split import REQUEST_TEXT_VERSION, SplitIndex, request_hash, request_key
 from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore, canonical_json
+from flywheel.tool_registry import SOURCES_KEY, called_names
 
-COMPILER_VERSION = 2  # 2: metadata.origin_outcome; request_hash of the user turns + tool names
+# 2: metadata.origin_outcome; request_hash of the user turns + tool names; metadata.tool_schema_sources
+# (tools without a schema get an open placeholder).
+COMPILER_VERSION = 2
 
 TOOL_CALL_KINDS = (
     "unknown_tool",
@@ -254,6 +264,24 @@ def _tool_code(failure: dict, trace_state: dict | None) -> str | None:
     return None
 
 
+def _with_schema_sources(tools: list[dict], messages: list[dict], sources: Any) -> tuple[list[dict], dict, bool]:
+    """(tools + an open-schema placeholder per called tool recorded without a schema, the source of
+    every tool's schema, whether a called tool has no schema). See the module docstring."""
+    sources = sources if isinstance(sources, dict) else {}
+    out = list(tools)
+    names = {_tool_name(t) for t in tools} - {""}
+    by_name = {n: ("registry" if sources.get(n) == "registry" else "trace") for n in names}
+    called = called_names(messages)
+    for n in called:
+        if n not in names and sources.get(n) == "none":
+            out.append({"type": "function", "function": {
+                "name": n, "description": "(no schema: the trace recorded calls of this tool, not its definition)",
+                "parameters": {"type": "object"}}})
+            names.add(n)
+            by_name[n] = "none"
+    return out, dict(sorted(by_name.items())), any(by_name.get(n) == "none" for n in called)
+
+
 def _trace_ref(trace_id: Any) -> str | None:
     if not trace_id:
         return None
@@ -305,7 +333,9 @@ def compile_failure(failure: dict, *, trace_state: dict | None = None) -> dict:
         raise CompileSkip("failure payload has no entity_id")
     kinds = [str(k) for k in failure.get("kinds") or []]
     messages = failure.get("messages") or []
-    tools = failure.get("tools") or []
+    tools, schema_sources, no_schema = _with_schema_sources(
+        failure.get("tools") or [], [*(failure.get("messages") or []), failure.get("bad_answer") or {}],
+        failure.get("tool_schema_sources"))
     if not messages:
         raise CompileSkip(f"{fid}: no prompt messages")
     if not any(m.get("role") == "user" for m in messages if isinstance(m, dict)):
@@ -374,7 +404,8 @@ def compile_failure(failure: dict, *, trace_state: dict | None = None) -> dict:
             "source": failure.get("source"),
             "origin_failure": fid,
             "origin_trace": _trace_ref((failure.get("trace_ids") or [None])[0]),
-            "weak": weak,
+            "weak": weak or (no_schema and vkind.startswith("tool_call")),
+            "tool_schema_sources": schema_sources,
             "deterministic": deterministic,
             "verifier_kind": vkind,
             "request_hash": request_hash(*request_key(messages, tools)),
@@ -420,6 +451,9 @@ def compile_success(trace_id: str, state: dict) -> dict:
       answer (non-deterministic; kept out of the gate suite unless configured).
     """
     messages, tools, outcome = _trace_fields(state)
+    trace = state.get("trace") if isinstance(state.get("trace"), dict) else state
+    tools, schema_sources, no_schema = _with_schema_sources(
+        tools, messages, (trace.get("metadata") or {}).get(SOURCES_KEY))
     if not messages:
         raise CompileSkip(f"{trace_id}: no messages")
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
@@ -496,7 +530,8 @@ def compile_success(trace_id: str, state: dict) -> dict:
             "source": state.get("source"),
             "origin_failure": None,
             "origin_trace": trace_id,
-            "weak": False,
+            "weak": no_schema and vkind == "tool_call",
+            "tool_schema_sources": schema_sources,
             "deterministic": deterministic,
             "verifier_kind": vkind,
             "request_hash": request_hash(*request_key(prompt, tools)),
@@ -659,6 +694,8 @@ class EvalsSummary:
     heldout: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     excluded_contaminated: int = 0
+    # evals (created or updated) that call a tool whose schema the trace did not record
+    evals_with_tools_without_schema: int = 0
 
     @property
     def n_created(self) -> int:
@@ -680,6 +717,7 @@ class EvalsSummary:
             "heldout": dict(self.heldout),
             "warnings": list(self.warnings),
             "excluded_contaminated": self.excluded_contaminated,
+            "evals_with_tools_without_schema": self.evals_with_tools_without_schema,
         }
 
 
@@ -774,6 +812,8 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
         else:
             bucket = summary.updated if old is not None else summary.created
             bucket[vk] = bucket.get(vk, 0) + 1
+            if "none" in (task["metadata"].get("tool_schema_sources") or {}).values():
+                summary.evals_with_tools_without_schema += 1
             if old is None:
                 for k in kinds or ["success"]:
                     summary.created_by_failure_kind[k] = summary.created_by_failure_kind.get(k, 0) + 1

@@ -30,7 +30,8 @@ e-mail rule reads ``pass@host`` as an address, and a vendor key before the key-n
   from JSON, any object in the trace): a string value whose key is a secret name is replaced whole,
   whatever it looks like (``{"password": "x y z"}``).
 - ``card``: 13–19 digit card numbers (spaces or dashes allowed) that pass the Luhn check; digit runs
-  that fail Luhn are left alone (order ids, timestamps).
+  that fail Luhn are left alone (order ids, timestamps), and so are digit runs glued to letters or
+  ``_`` (hex identifiers such as OTLP trace ids or ``chatcmpl-…`` response ids).
 - ``email``: ``local@domain.tld``.
 - ``phone``: international (``+<cc> …``) or grouped national numbers with at least 9 digits.
 - user rules (``IngestConfig.redaction_rules``), applied last, in configuration order.
@@ -172,7 +173,9 @@ BUILTIN_PATTERNS: dict[str, str] = {
         r"(?<=[?&])sig=[A-Za-z0-9%+/]{16,}={0,2}",  # Azure SAS signature
     ]) + ")",
     "secret": _SECRET_TEXT,
-    "card": r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])",
+    # Not glued to letters: digit runs inside hex identifiers (OTLP trace/span ids, "chatcmpl-<hex>"
+    # response ids) pass the Luhn check one time in ten and are not card numbers.
+    "card": r"(?<![\w-])\d(?:[ -]?\d){12,18}(?![\w-])",
     "email": r"(?<![A-Za-z0-9._%+\-])[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}\b",
     "phone": (
         r"(?<![\w+])(?:\+\d{1,3}[ .\-]?(?:\(\d{1,4}\)[ .\-]?)?\d{2,4}(?:[ .\-]?\d{2,4}){1,3}"

@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from flywheel.cycle import sandbox_warning
 from flywheel.stats import wilson
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
@@ -203,6 +204,32 @@ def failure_kinds_over_time(store: Any) -> tuple[list[str], dict[str, list[float
     return days, series
 
 
+def trace_facts(artifacts: Any, store: Any, traces: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Per trace entity: the facts its telemetry recorded (source, model, token usage, finish reasons,
+    response id; see :mod:`flywheel.ingest.otlp`), read from the trace artifacts. A trace whose
+    artifact cannot be read gets no facts (the report still renders)."""
+    from flywheel.ingest import load_traces
+
+    states = [(t["trace"], (store.entity(t["trace"]) or {}).get("state") or {}) for t in traces]
+    states = [(e, st) for e, st in states if isinstance(st.get("trace"), dict)]
+    try:
+        full = load_traces(artifacts, [st for _, st in states])
+    except Exception:  # noqa: BLE001 - a missing or corrupt artifact must not take the report down
+        return {}
+    out = {}
+    for (e, _), tr in zip(states, full, strict=True):
+        meta = tr.get("metadata") or {}
+        usage = meta.get("usage") or {}
+        out[e] = {
+            "source": str((meta.get("otel") or {}).get("convention") or tr.get("source") or ""),
+            "model": str(tr.get("model") or ""),
+            "tokens": f"{usage.get('input_tokens')} in / {usage.get('output_tokens')} out" if usage else "",
+            "finish": ", ".join(str(x) for x in meta.get("finish_reasons") or []),
+            "response": str(meta.get("response_id") or ""),
+        }
+    return out
+
+
 def training_curves(tracker: Any, runs: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {}
     for r in runs:
@@ -284,6 +311,9 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
     summary_rows = [("outcome", f'<span class="{badge}">{esc(outcome)}</span>'), ("reason", esc(payload.get("reason"))),
                     ("new failures", esc(stages.get("new_failures"))), ("wall time", f"{esc(payload.get('wall_s'))} s"),
                     ("recorded at", esc(ev.recorded_at))]
+    warning = sandbox_warning({"stages": stages})
+    if warning:
+        summary_rows.append(("warning", f'<span class="fail">{esc(warning)}</span>'))
     if "ingest" in stages:
         i = stages["ingest"]
         summary_rows.append(("ingest", esc(f"{i.get('read')} read, {i.get('ingested')} ingested, {i.get('quarantined')} quarantined")))
@@ -321,8 +351,15 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
             ci += "<p>Challenger vs champion: " + esc("; ".join(parts)) + ".</p>"
     gate_outcome = (gate.get("outcome") or ("passed" if gate.get("passed") else "refused")) if gate else "not run"
     gate_class = {"passed": "pass", "refused": "fail"}.get(gate_outcome, "muted")
-    trace_rows = "".join(f"<tr><td><code>{esc(t['trace'])}</code></td><td>{esc(t['timestamp'])}</td>"
-                         f"<td>{esc(', '.join(t['failure_kinds'] or []) or t['status'])}</td></tr>" for t in traces[:40])
+    from flywheel.artifacts import open_artifacts
+
+    facts = trace_facts(open_artifacts(cfg), store, traces[:40])
+    trace_rows = "".join(
+        f"<tr><td><code>{esc(t['trace'])}</code></td><td>{esc(t['timestamp'])}</td>"
+        f"<td>{esc(', '.join(t['failure_kinds'] or []) or t['status'])}</td>"
+        + "".join(f"<td>{esc(facts.get(t['trace'], {}).get(k, ''))}</td>"
+                  for k in ("source", "model", "tokens", "finish", "response")) + "</tr>"
+        for t in traces[:40])
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>flywheel cycle {esc(cid)}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1"><style>{CSS}</style></head>
@@ -335,7 +372,7 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
 <section id="gate"><h2>Gate decision: <span class="{gate_class}">{esc(gate_outcome)}</span></h2>
 <table><tr><th>rule</th><th>result</th><th>value</th><th>threshold</th><th>reason</th></tr>{rules_html}</table></section>
 <section id="lineage"><h2>Lineage of {esc(model or "the new model")}</h2>{svg_lineage(edges, model) if model else '<p class="empty">no model was trained</p>'}
-<table><tr><th>production trace</th><th>timestamp</th><th>failure kinds</th></tr>{trace_rows}</table>
+<table><tr><th>production trace</th><th>timestamp</th><th>failure kinds</th><th>source</th><th>model</th><th>tokens</th><th>finish</th><th>response id</th></tr>{trace_rows}</table>
 <p class="muted">{len(traces)} production traces in total; <code>flywheel trace {esc(model or "")}</code> prints the whole tree.</p></section>
 <script>document.body.dataset.ready = "1";</script>
 </body></html>

@@ -103,20 +103,6 @@ class StageDisplay:
                 self._last_key, self._last_print = key, now
 
 
-def sandbox_warning(result: dict) -> str | None:
-    """The loud line for a cycle whose sandboxed verifiers were weak, or whose rewards were dropped."""
-    st = result.get("stages", {})
-    sb = st.get("sandbox") or {}
-    parts = [sb["warning"]] if sb.get("warning") else []
-    for key in ("rollouts", "rollouts_after_sft"):
-        s = (st.get(key) or {}).get("stats") or {}
-        if s.get("untrainable"):
-            parts.append(f"{key}: {s['untrainable']} samples kept out of training (weak-sandbox verdicts)")
-        if s.get("infra_errors"):
-            parts.append(f"{key}: {s['infra_errors']} samples had verifier infrastructure errors")
-    return "; ".join(parts) or None
-
-
 def print_cycle_summary(result: dict) -> None:
     st = result.get("stages", {})
     rows = []
@@ -159,6 +145,8 @@ def print_cycle_summary(result: dict) -> None:
     rows.append(("outcome", f"{result.get('outcome')}: {result.get('reason')}"))
     rows.append(("wall time", f"{result.get('wall_s')} s"))
     print_table(f"cycle {result.get('cycle')}", ["stage", "result"], rows)
+    from flywheel.cycle import sandbox_warning
+
     warning = sandbox_warning(result)
     if warning:
         from rich.panel import Panel

@@ -62,6 +62,10 @@ def evals_build(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = Js
         h = data["heldout"]
         out.print(f"held-out suite: {h['items']} items ({h['failures']} production failures for the fix rate, "
                   f"{h['successes']} successes for the keep rate) in {h['clusters']} clusters")
+    if data.get("evals_with_tools_without_schema"):
+        out.print(f"{data['evals_with_tools_without_schema']} eval(s) call tools the traces recorded without a schema: "
+                  "their verifiers check names and argument objects only (weak); set [ingest] tool_registry to "
+                  "supply the schemas")
     if data["excluded_from_gate"]:
         out.print(f"{data['excluded_from_gate']} non-deterministic evals kept out of the gate suites "
                   "(set [evals] include_llm_judge_in_gate = true to include them)")

@@ -24,6 +24,7 @@ quarantine_app = typer.Typer(help="Inspect records that failed ingest validation
 
 def register(app: typer.Typer) -> None:
     app.command("ingest")(ingest)
+    app.command("collect")(collect)
     app.add_typer(quarantine_app, name="quarantine")
 
 
@@ -51,6 +52,9 @@ def ingest(
     replay_quarantine: bool = typer.Option(False, "--replay-quarantine",
                                            help="Retry every unresolved quarantined record (after a fix)."),
     batch_size: int = typer.Option(None, "--batch-size", help="Records per batch (ingest.batch_size)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Report what would be captured per trace (messages, "
+                                 "tools, tool calls, errors) and what would be quarantined; store nothing."),
+    limit: int = typer.Option(50, "--limit", help="With --dry-run: rows shown per table (--json lists all)."),
     home: str = HomeOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
@@ -73,6 +77,10 @@ def ingest(
     if fmt not in ("auto", "openai", "otel", "bfcl"):
         raise CliError(f"--format must be auto, openai, otel or bfcl (got {fmt!r})")
     cfg = load(home, config, {"ingest": {"batch_size": batch_size}} if batch_size else None)
+    if dry_run:
+        if replay_quarantine:
+            raise CliError("--dry-run reads files; it cannot be combined with --replay-quarantine")
+        return _dry_run(cfg, list(paths), fmt, as_json, limit)
     correlation_id = f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     artifacts = open_artifacts(cfg)
     with open_store(cfg) as store, progress(enabled=not as_json) as bar:
@@ -119,6 +127,93 @@ def ingest(
     _summary_tables(d)
     if d["quarantined"]:
         console.print(f"{d['quarantined']} record(s) quarantined: `flywheel quarantine list` to inspect them.")
+
+
+def _dry_run(cfg, paths: list[Path], fmt: str, as_json: bool, limit: int) -> None:
+    from flywheel.ingest import IngestError
+    from flywheel.ingest.dryrun import dry_run
+
+    try:
+        report = dry_run(cfg, paths, fmt=fmt)
+    except IngestError as e:
+        raise CliError(str(e)) from None
+    if as_json:
+        emit_json(report)
+        return
+    rows = []
+    for t in report["traces"][:limit]:
+        no_schema = [n for n, src in t["tool_schema_sources"].items() if src != "trace"]
+        tools = ", ".join(t["tools"]) + (f" (+{', '.join(no_schema)}: " + "/".join(
+            sorted({t["tool_schema_sources"][n] for n in no_schema})) + ")" if no_schema else "")
+        rows.append((t["trace_id"][:32], f"{t['file']}:{t['line']}", t["convention"] or t["source"],
+                     " ".join(f"{k}:{v}" for k, v in t["roles"].items()), tools or "-",
+                     ", ".join(t["tool_calls"]) or "-", t["status"] + (f" {','.join(t['kinds'])}" if t["kinds"] else ""),
+                     (t["error"] or "")[:80]))
+    print_table(f"would ingest {len(report['traces'])} trace(s)" + (f" (first {limit})" if len(report["traces"]) > limit else ""),
+                ["trace", "from", "convention", "messages", "tools (schema)", "tool calls", "outcome", "error"], rows)
+    if report["quarantined"]:
+        print_table(f"would quarantine {len(report['quarantined'])} record(s)", ["file", "line", "reason", "detail"],
+                    [(q["file"], q["line"], q["reason"], q["detail"][:300]) for q in report["quarantined"][:limit]])
+    s = report["summary"]
+    print_table("dry run (nothing stored)", ["traces", "with tool calls", "tools without schema", "failures",
+                                             "quarantined"],
+                [(s["traces"], s["with_tool_calls"], s["with_tools_without_schema"], s["failures"], s["quarantined"])])
+
+
+@handle_errors
+def collect(
+    port: int = typer.Option(4318, "--port", help="Listen port (4318 is OTLP/HTTP's usual one; 0 = any free port)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address; anything but loopback requires an API key."),
+    inbox: Path = typer.Option(None, "--inbox", help="Where batch files are written (default <home>/inbox)."),
+    settle_s: float = typer.Option(10.0, "--settle-s", help="A trace is written once nothing of it arrived for this "
+                                   "long (exporters batch spans and logs separately, up to 5 s each by default)."),
+    max_pending: int = typer.Option(10_000, "--max-pending", help="Traces held in memory at most (oldest written first)."),
+    max_body_mb: int = typer.Option(16, "--max-body-mb", help="Largest request body accepted (after gzip), in MiB."),
+    api_key_env: str = typer.Option("FLYWHEEL_COLLECT_API_KEY", "--api-key-env",
+                                    help="Env var holding the API key (requests then need 'Authorization: Bearer <key>')."),
+    home: str = HomeOpt,
+    config: str = ConfigOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Receive OTLP/HTTP (JSON or protobuf, /v1/traces and /v1/logs) and write batches to the inbox.
+
+    Point an agent's exporter here (OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318) or a Collector's
+    otlphttp exporter; then `flywheel ingest <home>/inbox`. Runs until SIGINT/SIGTERM, then writes every
+    trace it still holds. Each batch file is written atomically (temp file + rename).
+    """
+    import os
+
+    from flywheel.ingest.collect import run
+    from flywheel.serve import is_loopback
+
+    if settle_s <= 0 or max_pending < 1 or max_body_mb < 1:
+        raise CliError("--settle-s must be > 0, --max-pending and --max-body-mb >= 1")
+    cfg = load(home, config)
+    cfg.ensure_home()
+    key = os.environ.get(api_key_env) or None
+    if key is None and not is_loopback(host):
+        raise CliError(f"binding to {host} requires an API key: set {api_key_env} (or bind to 127.0.0.1)", code=2)
+    target = Path(inbox) if inbox else cfg.home / "inbox"
+
+    def listening(url: str) -> None:
+        console.print(f"flywheel collect listening on {url} (POST /v1/traces, /v1/logs); batches go to {target}")
+
+    def wrote(path: Path, n: int) -> None:
+        console.print(f"wrote {path.name}: {n} trace(s)")
+
+    try:
+        stats = run(target, host=host, port=port, settle_s=settle_s, max_pending=max_pending, api_key=key,
+                    max_body_bytes=max_body_mb << 20, on_listen=listening, on_write=wrote)
+    except OSError as e:
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    d = {"inbox": str(target), "requests": stats.requests, "rejected": stats.rejected, "spans": stats.spans,
+         "log_records": stats.log_records, "traces_written": stats.traces_written, "files": stats.files}
+    if as_json:
+        emit_json(d)
+        return
+    print_table("collect summary", ["requests", "rejected", "spans", "log records", "traces written", "files"],
+                [(d["requests"], d["rejected"], d["spans"], d["log_records"], d["traces_written"], len(d["files"]))])
+    console.print(f"ingest them with: flywheel ingest {target}")
 
 
 @quarantine_app.command("list")

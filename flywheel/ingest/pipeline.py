@@ -70,11 +70,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flywheel.classify import FAILURE_KINDS
-from flywheel.ingest import formats
+from flywheel.ingest import formats, otlp
 from flywheel.ingest.prepare import PREPARED_SCHEMA, Batch, Preparer
 from flywheel.ingest.reader import Line, iter_lines, open_binary, open_source, position
 from flywheel.ingest.worker import ParallelBatches
 from flywheel.store import BATCH_SCHEMA, canonical_json
+from flywheel.tool_registry import ToolRegistryError, load_registry
 
 MAX_TRACE_IDS = 100
 # Failure states kept in memory between batches (a few KB each: ~50-100 MB at the bound).
@@ -473,16 +474,55 @@ def ingest_paths(
         raise IngestError(f"unknown format {fmt!r}; expected auto, openai, otel or bfcl")
     t0 = time.perf_counter()
     files = _expand_paths(list(paths))
+    companions = plan_otlp(cfg, files, fmt)
     summary = IngestSummary()
     committer = _Committer(cfg, store, artifacts, summary, correlation_id)
     with _duckdb_memory_cap(store, cfg.ingest.duckdb_memory_mb):
         for path in files:
-            _ingest_file(cfg, committer, path, fmt, progress)
+            _ingest_file(cfg, committer, path, fmt, progress, companions.get(path, []))
     summary.elapsed_s = round(time.perf_counter() - t0, 3)
     return summary
 
 
-def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress: ProgressFn | None) -> None:
+def detect_file_format(path: Path, fmt: str, doc: bytes | None, max_line: int, size: int) -> str:
+    """``fmt`` unless ``auto``: then from the whole document, or the first parseable line."""
+    if fmt != "auto":
+        return fmt
+    if doc is not None:
+        obj, _ = formats.parse_json(doc)
+        # An array of records is OpenAI format unless its first record is a BFCL replay record (the
+        # first record may be anything: ``[5, {...}]`` is still an array of records).
+        fmt = formats.detect_format(obj[0] if isinstance(obj, list) and obj else obj)
+        return "openai" if isinstance(obj, list) and fmt != "bfcl" else fmt
+    return _sniff_format(path, max_line) if size else "openai"
+
+
+def document_lines(doc: bytes) -> Iterator[Line]:
+    """The records of a whole JSON document: the items of a top-level array, else the document."""
+    obj, prob = formats.parse_json(doc)
+    if prob is None and isinstance(obj, list):
+        return iter([Line(i + 1, _record_bytes(x)) for i, x in enumerate(obj)])
+    return iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
+
+
+def plan_otlp(cfg: Any, files: list[Path], fmt: str) -> dict[Path, list[Path]]:
+    """Check the tool registry, and pair OTLP span and log-record files (:func:`otlp.plan_files`):
+    raises :class:`IngestError` before anything is read when either cannot be used."""
+    try:
+        load_registry(cfg.ingest.tool_registry)
+    except ToolRegistryError as e:
+        raise IngestError(str(e)) from None
+    if fmt not in ("auto", "otel"):
+        return {}
+    otel_files = [p for p in files if fmt == "otel" or otlp.looks_like_otlp(p)]
+    try:
+        return otlp.plan_files(otel_files, cfg.ingest.max_line_bytes)
+    except otlp.PairingError as e:
+        raise IngestError(str(e)) from None
+
+
+def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress: ProgressFn | None,
+                 companions: list[Path] | None = None) -> None:
     try:
         sha = _sha256_file(path)
         size = path.stat().st_size
@@ -491,15 +531,7 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
     ingest_id = f"ingest:{sha[:16]}"
     max_line = cfg.ingest.max_line_bytes
     doc = _whole_document(path, max_line) if size else None
-    if fmt == "auto":
-        if doc is not None:
-            obj, _ = formats.parse_json(doc)
-            # An array of records is OpenAI format unless its first record is a BFCL replay record.
-            fmt = formats.detect_format(obj[0] if isinstance(obj, list) and obj else obj)
-            if isinstance(obj, list) and fmt != "bfcl":
-                fmt = "openai"
-        else:
-            fmt = _sniff_format(path, max_line) if size else "openai"
+    fmt = detect_file_format(path, fmt, doc, max_line, size)
     done = 0
 
     def commit_all(batches: Iterator[Batch]) -> None:
@@ -516,19 +548,17 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
         from flywheel.schemas.gx_suites import prewarm_traces_batch
 
         prewarm_traces_batch(cfg.ingest)  # overlaps GX's import with the worker's first batch
-        with ParallelBatches(cfg.ingest, fmt, path, path.name, sha, size, workers) as children:
+        with ParallelBatches(cfg.ingest, fmt, path, path.name, sha, size, workers,
+                             otel_companions=companions or []) as children:
             commit_all(iter(children))
         stats = children.stats
         assert stats is not None  # iteration only ends normally on the child's "done"
     else:
-        prep = Preparer(cfg.ingest, fmt, path.name, sha)
+        prep = Preparer(cfg.ingest, fmt, path.name, sha, path=None if doc is not None else path,
+                        otel_companions=companions or [])
         stream, raw = open_source(path)
         if doc is not None:
-            obj, prob = formats.parse_json(doc)
-            if prob is None and isinstance(obj, list):
-                lines: Iterator[Line] = iter([Line(i + 1, _record_bytes(x)) for i, x in enumerate(obj)])
-            else:
-                lines = iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
+            lines: Iterator[Line] = document_lines(doc)
         else:
             lines = iter_lines(stream, max_line)
         try:

@@ -17,9 +17,11 @@ classification or serialisation, including readers added later -- quarantines th
 reason ``internal_error`` and a detail that starts with the exception class; the rest of the file
 goes on. That holds because :meth:`Preparer._accept` computes everything first, including the JSON
 the commit will write for a new failure, and only then adds the record to the batch in one step that
-cannot fail; a reader that keeps state across lines (OTel) reads a line completely before changing
-that state. Not covered: an exception in the commit itself (the store, the artifact store, the
-expectation suite) still stops the file, as it must: those are not properties of one record.
+cannot fail. Not covered: an exception in the commit itself (the store, the artifact store, the
+expectation suite) still stops the file, as it must: those are not properties of one record; and
+the OTLP assembler keeps traces open across lines, so when reading a line raises part-way, what it
+had read of that line stays with its traces (the line is quarantined; replaying it later finds
+those traces already ingested).
 
 Cost per record (measured on the issue 3 benchmark workload, 2 cores, gc enabled): parse ~7 µs,
 validation ~6 µs, classification of a failure ~15 µs (a success: < 1 µs), failure identity ~6 µs,
@@ -31,8 +33,9 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,10 +44,12 @@ import pyarrow as pa
 
 from flywheel.classify import classify, failure_identity, last_assistant_index
 from flywheel.ingest import formats
+from flywheel.ingest.otlp import Assembler
 from flywheel.ingest.reader import Line
 from flywheel.ingest.validate import Limits, validate
 from flywheel.redact import Redactor
 from flywheel.store import canonical_json
+from flywheel.tool_registry import SOURCES_KEY, load_registry, resolve_undeclared
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +93,15 @@ def internal_error_detail(e: BaseException) -> str:
     """The quarantine detail of a record whose preparation raised: the exception class first."""
     return utf8_safe(f"{type(e).__name__}: {e}"[:600] + " (an internal error while preparing this record; the "
                      "rest of the file was ingested. After a fix, `flywheel ingest --replay-quarantine` retries it)")
+
+
+def _dumps_or_walk(rec: Any) -> bytes:
+    """A record's JSON for the redaction prefilter; for one orjson cannot write (a lone surrogate,
+    > 255 levels), a text the prefilter always flags, so the record is walked (and fails alone)."""
+    try:
+        return orjson.dumps(rec)
+    except (TypeError, ValueError):
+        return b"\\u"
 
 
 @dataclass
@@ -140,6 +154,9 @@ def failure_static_payload(rec: dict[str, Any], fid: str, chash: str, details: l
         "source": rec.get("source") or "openai",
         "source_id": rec.get("source_id"),
         "content_hash": chash,
+        # where each called tool's schema came from, when not all from the trace (flywheel.tool_registry)
+        **({"tool_schema_sources": rec["metadata"][SOURCES_KEY]}
+           if SOURCES_KEY in (rec.get("metadata") or {}) else {}),
     }
 
 
@@ -202,8 +219,12 @@ class Preparer:
     """Turns lines into prepared batches. Holds no store state (it runs off the main thread, or in
     the worker process)."""
 
-    def __init__(self, icfg: Any, fmt: str, file_name: str, file_sha: str):
+    def __init__(self, icfg: Any, fmt: str, file_name: str, file_sha: str, *, path: Path | None = None,
+                 otel_companions: Sequence[Path] = ()):
+        # ``path``: the file the lines come from (OTLP files are scanned once for where each trace
+        # ends; None for a single JSON document). ``otel_companions``: see flywheel.ingest.otlp.plan_files.
         self.icfg = icfg
+        self.tool_registry = load_registry(getattr(icfg, "tool_registry", None))
         self.redactor = Redactor.from_config(icfg)
         self.limits = Limits.from_config(icfg)
         self.fmt = fmt
@@ -216,9 +237,8 @@ class Preparer:
         self.internal_errors = 0
         self.lines = 0
         self.cut: str | None = None
-        # OTel assembly state
-        self._open: dict[str, dict[str, Any]] = {}
-        self._closed: set[str] = set()
+        self.otel = Assembler(path, otel_companions, icfg.max_line_bytes) if fmt == "otel" else None
+        self._otel_ready: list[tuple[Line, dict[str, Any]]] = []
         # Per-batch state, set by _process.
         self._rows = _Rows()
         self._first: dict[str, dict[str, Any]] = {}
@@ -242,9 +262,10 @@ class Preparer:
         })
         self.content_counts[reason] += 1
 
-    def _isolated(self, b: Batch, line: Line, step: Callable[..., None], *args: Any) -> None:
+    def _isolated(self, b: Batch, line: Line, counted: bool, step: Callable[..., None], *args: Any) -> None:
         """Run one record's ``step``; an exception quarantines the record as ``internal_error`` instead
-        of stopping the file (see the module docstring for why the batch needs no undo)."""
+        of stopping the file (see the module docstring for why the batch needs no undo). ``counted``:
+        the record is already in ``b.read`` (else the step counts it, or this does if it fails first)."""
         read = b.read
         try:
             step(*args)
@@ -254,12 +275,13 @@ class Preparer:
             (log.warning if self.internal_errors <= 3 else log.debug)(
                 "%s line %d: internal error while preparing the record (%s: %s); quarantined",
                 self.file_name, line.lineno, type(e).__name__, e, exc_info=True)
-            if b.read == read:  # the step failed before counting its record
+            if not counted and b.read == read:
                 b.read += 1
             self._quarantine(b, line, INTERNAL_ERROR, internal_error_detail(e))
 
     # records --------------------------------------------------------------------------------------
     def _accept(self, b: Batch, line: Line, rec: Any, needs_redaction: bool, seen: set[str]) -> None:
+        rec = resolve_undeclared(rec, self.tool_registry)
         prob, dt = validate(rec, self.limits)
         if prob:
             self._quarantine(b, line, prob[0], prob[1])
@@ -321,44 +343,39 @@ class Preparer:
                        dt.timestamp(), n_msgs, roles, head[:-1] + b',"trace":{"row":', tail)  # type: ignore[union-attr]
 
     def _otel_line(self, b: Batch, line: Line, obj: Any, seen: set[str]) -> None:
-        if not isinstance(obj, dict) or "resourceSpans" not in obj:
-            self._quarantine(b, line, "schema", "an OTel line must be an OTLP/JSON export request with 'resourceSpans'")
-            return
-        touched: list[str] = []
-        n = 0
-        for tid, sp, res in list(formats.otel_spans(obj)):  # read the whole line before changing state
-            n += 1
-            if tid in self._closed:
-                self._quarantine(b, line, "otel_late_span", f"span of trace {tid} after its root span was read")
-                continue
-            st = self._open.setdefault(tid, {"spans": [], "line": line, "root": False})
-            st["spans"].append((sp, res))
-            if not sp.get("parentSpanId"):
-                st["root"] = True
-            touched.append(tid)
-        if n == 0:
-            self._quarantine(b, line, "otel_no_spans", "no spans with a traceId in this export request")
-        for tid in dict.fromkeys(touched):
-            st = self._open.get(tid)
-            if st and st["root"]:
-                self._emit_otel(b, tid, seen)
+        problems, ready = self.otel.feed(obj, line)  # type: ignore[union-attr]
+        for reason, detail in problems:
+            self._quarantine(b, line, reason, detail)
+        for tid in ready:
+            self._emit_otel(b, tid, seen)
 
     def _emit_otel(self, b: Batch, tid: str, seen: set[str]) -> None:
-        st = self._open.pop(tid)
-        self._closed.add(tid)
-        self._isolated(b, st["line"], self._otel_trace, b, st["line"], tid, st["spans"], seen)
+        line = self.otel.line_of(tid)  # type: ignore[union-attr]
+        self._isolated(b, line, False, self._take_otel, b, tid)
 
-    def _otel_trace(self, b: Batch, line: Line, tid: str, spans: list[Any], seen: set[str]) -> None:
+    def _take_otel(self, b: Batch, tid: str) -> None:
         b.read += 1
-        rec, prob = formats.otel_to_trace(tid, spans)
+        rec, prob, line = self.otel.take(tid)  # type: ignore[union-attr]
         if prob:
             self._quarantine(b, line, prob[0], prob[1])
             return
-        self._accept(b, line, rec, True, seen)
+        self._otel_ready.append((line, rec))
+
+    def _accept_otel(self, b: Batch, seen: set[str]) -> None:
+        """Accept the traces assembled in this batch. They get the vectorised redaction prefilter that
+        OpenAI lines get, on their serialised form: walking every string of every trace cost ~65 µs a
+        trace in the OTLP benchmark, the batch check a few µs."""
+        ready, self._otel_ready = self._otel_ready, []
+        if not ready:
+            return
+        needs = self.redactor.lines_need_redaction([_dumps_or_walk(rec) for _, rec in ready])
+        for (line, rec), need in zip(ready, needs, strict=True):
+            self._isolated(b, line, True, self._accept, b, line, rec, need, seen)
 
     def batches(self, lines: Iterator[Line], pos: Callable[[], int], *, stride: int = 1,
                 offset: int = 0) -> Iterator[Batch]:
-        """Batches of ``batch_size`` non-blank lines, numbered from 0. With ``stride`` > 1 only the
+        """Batches of ``batch_size`` non-blank lines (OTLP: lines holding the ends of about that many
+        traces), numbered from 0. With ``stride`` > 1 only the
         batches numbered ``offset`` mod ``stride`` are prepared (the lines of the others are counted,
         not parsed), so that ``stride`` workers can share one file; their batches interleave back
         into the single-worker sequence. Only for formats without state across lines (not OTel)."""
@@ -380,7 +397,8 @@ class Preparer:
             if line.oversize or line.data.strip():
                 if mine:
                     chunk.append(line)
-                n_chunk += 1
+                # An OTLP line holds many traces: its weight is the traces that end on it.
+                n_chunk += 1 if self.otel is None else self.otel.line_weight(line.lineno)
             if n_chunk >= size:
                 if mine:
                     yield self._process(no, chunk, None, pos)
@@ -409,14 +427,16 @@ class Preparer:
                                  f"{line.oversize} bytes > ingest.max_line_bytes={self.icfg.max_line_bytes}",
                                  replayable=False)
             else:
-                self._isolated(b, line, self._record, b, line, seen, True if needs is None else needs[i])
+                self._isolated(b, line, False, self._record, b, line, seen, True if needs is None else needs[i])
         if end is not None:
             self.cut = end.error
             b.read += 1
             self._quarantine(b, end, "truncated_file", end.error or "", replayable=False)
-        if last and self._open:  # root-less OTel traces: complete at end of file
-            for tid in list(self._open):
+        if last and self.otel is not None:  # OTLP traces still open: complete at the end of the file
+            for tid in self.otel.remaining():
                 self._emit_otel(b, tid, seen)
+        if self.otel is not None:
+            self._accept_otel(b, seen)
         b.table = self._rows.table()
         b.first_payloads = self._first
         self._rows, self._first = _Rows(), {}

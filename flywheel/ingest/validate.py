@@ -9,7 +9,9 @@ what makes >= 20,000 traces/s possible. ``tests/unit/test_ingest_validate.py`` p
 timestamps parse (ISO 8601; a zone-less value is UTC) and lie in ``[min_timestamp, now +
 max_future_days]``; at most ``max_messages`` messages; every ``tool`` message answers a tool call id
 made earlier in the trace; a *successful* trace only calls declared tools (a failed one may: that is
-the ``unknown_tool`` failure kind).
+the ``unknown_tool`` failure kind), where a tool the record marks as having no schema
+(``metadata.tool_schema_sources[name] == "none"``, set by :mod:`flywheel.tool_registry` for traces
+whose telemetry recorded no tool definitions) counts as declared.
 
 Each problem is reported as ``(reason, detail)``: ``reason`` is a short code counted in the ingest
 summary, ``detail`` names the field (``messages[1].role``) and what was wrong.
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from typing import Any
+
+from flywheel.tool_registry import undeclared_names
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _TOP_KEYS = frozenset(
@@ -285,6 +289,7 @@ def check_semantics(rec: dict[str, Any], limits: Limits) -> tuple[Problem | None
                 if success:
                     if declared is None:
                         declared = {t["function"]["name"] for t in rec.get("tools") or ()}
+                        declared |= undeclared_names(rec)
                     if tc["function"]["name"] not in declared:
                         return (
                             "tool_not_declared",

@@ -81,7 +81,8 @@ def _run(job: dict[str, Any], out: BinaryIO) -> None:
     gc.set_threshold(50_000, 20, 100)
     icfg = IngestConfig.model_validate(job["icfg"])
     path = Path(job["path"])
-    prep = Preparer(icfg, job["fmt"], job["name"], job["sha"])
+    prep = Preparer(icfg, job["fmt"], job["name"], job["sha"], path=path,
+                    otel_companions=[Path(p) for p in job.get("otel_companions", ())])
     stream, raw = open_source(path)
     pos = position(raw, job["size"])
     try:
@@ -101,7 +102,7 @@ class ProcessBatches:
     child reports the end of the file. Use as a context manager (the child is killed on exit)."""
 
     def __init__(self, icfg: Any, fmt: str, path: Path, name: str, sha: str, size: int, *, stride: int = 1,
-                 offset: int = 0):
+                 offset: int = 0, otel_companions: list[Path] | None = None):
         self.path = path
         self.stats: PrepStats | None = None
         self._err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
@@ -113,7 +114,8 @@ class ProcessBatches:
             bufsize=1 << 20,
         )
         job = {"icfg": icfg.model_dump(mode="json"), "fmt": fmt, "path": str(path), "name": name, "sha": sha,
-               "size": size, "stride": stride, "offset": offset}
+               "size": size, "stride": stride, "offset": offset,
+               "otel_companions": [str(p) for p in otel_companions or []]}
         try:
             pickle.dump(job, self._proc.stdin, protocol=5)  # type: ignore[arg-type]
             self._proc.stdin.close()  # type: ignore[union-attr]
@@ -174,11 +176,13 @@ class ParallelBatches:
     order, so the commit sees exactly the single-worker sequence. Each child is at most one batch
     ahead (its pipe), so at most ``workers`` batches are in flight beyond the one being committed."""
 
-    def __init__(self, icfg: Any, fmt: str, path: Path, name: str, sha: str, size: int, workers: int):
+    def __init__(self, icfg: Any, fmt: str, path: Path, name: str, sha: str, size: int, workers: int, *,
+                 otel_companions: list[Path] | None = None):
         self.children: list[ProcessBatches] = []
         try:
             for w in range(workers):
-                self.children.append(ProcessBatches(icfg, fmt, path, name, sha, size, stride=workers, offset=w))
+                self.children.append(ProcessBatches(icfg, fmt, path, name, sha, size, stride=workers, offset=w,
+                                                    otel_companions=otel_companions))
         except BaseException:
             self.close()
             raise

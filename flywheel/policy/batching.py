@@ -9,6 +9,10 @@ Guarantees
 - Only calls with identical sampling parameters are merged, and only when the result cannot depend
   on the batch: greedy decoding (``temperature == 0``), or sampling without a seed. A seeded sampling
   call runs alone, so ``seed`` keeps its reproducibility promise.
+- No caller waits for batches that are not its own: the caller that runs the merged calls (the
+  *leader*) hands that job to the oldest waiting caller as soon as its own result is in. (It used to
+  lead until nobody was waiting, so under steady traffic its own reply never came: a 140-question
+  replay timed out after 15 minutes on one request.)
 - Results are returned to each caller in its own prompt order. When a merged call raises, each
   caller of that batch is run again on its own, so one bad request (a prompt longer than the
   model's context) fails only itself; a batch of one gets its exception at once.
@@ -33,8 +37,15 @@ class _Pending:
     tools: list[list[dict]]
     params: Any
     done: threading.Event = field(default_factory=threading.Event)
+    # set when this caller's result is in, or when it must take over as leader (``lead``)
+    wake: threading.Event = field(default_factory=threading.Event)
+    lead: bool = False
     result: Any = None
     error: BaseException | None = None
+
+    def finish(self) -> None:
+        self.done.set()
+        self.wake.set()
 
 
 class BatchingPolicy:
@@ -75,23 +86,27 @@ class BatchingPolicy:
         me = _Pending(list(prompts), tools_pp, params)
         with self._lock:
             self._pending.append(me)
-            lead = not self._leader
-            if lead:
-                self._leader = True
-        if lead:
-            self._lead()
-        me.done.wait()
+            if not self._leader:
+                self._leader = me.lead = True
+                fresh = True
+            else:
+                fresh = False
+        if fresh:
+            time.sleep(self.window_s)  # let concurrent callers join the first batch
+        while not me.done.is_set():
+            if me.lead:
+                self._lead(me)
+                break
+            me.wake.wait()
         if me.error is not None:
             raise me.error
         return me.result
 
-    def _lead(self) -> None:
-        time.sleep(self.window_s)  # let concurrent callers join the first batch
-        while True:
+    def _lead(self, me: _Pending) -> None:
+        """Run merged calls, oldest caller first, until ``me`` has its result; then hand the lead to
+        the oldest caller still waiting (or give it up)."""
+        while not me.done.is_set():
             with self._lock:
-                if not self._pending:
-                    self._leader = False
-                    return
                 first = self._pending[0]
                 batch, rest, n = [], [], 0
                 for p in self._pending:
@@ -119,7 +134,14 @@ class BatchingPolicy:
                 for p in batch:
                     p.error = e
             for p in batch:
-                p.done.set()
+                p.finish()
+        with self._lock:
+            if self._pending:
+                nxt = self._pending[0]  # the oldest waiting caller: its request goes in the next batch
+                nxt.lead = True
+                nxt.wake.set()
+            else:
+                self._leader = False
 
     def _run_alone(self, batch: list[_Pending]) -> None:
         """Each caller of a failed merged call, on its own: the error lands where it belongs."""

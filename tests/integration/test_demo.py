@@ -62,7 +62,9 @@ def test_each_cycle_runs_every_stage_and_says_why_the_champion_stays(demo_run):
         assert gate["outcome"] == "insufficient_evidence" and gate["passed"] is False
         assert gate["numbers"]["paired_items"] < gate["numbers"]["min_paired_items"] == 30
         assert c["outcome"] == "insufficient_evidence" and "the champion stays" in c["reason"]
-        assert {"ingest", "evals", "envs", "synth", "rollouts", "train-sft", "gate"} <= set(c["timings"])
+        # train.mode = sft: no champion rollouts (they would be discarded); the SFT model's feed GRPO.
+        assert {"ingest", "evals", "envs", "synth", "train-sft", "rollouts-after-sft", "gate"} <= set(c["timings"])
+        assert "rollouts" not in c["timings"]
     # Cycle 2 trains from the (unchanged) champion and gates against it.
     assert c2["stages"]["sft"]["base"] == "model:policy/1"
     assert c2["stages"]["gate"]["numbers"]["champion"] == "model:policy/1"

@@ -120,3 +120,60 @@ def test_a_weak_batcher_does_not_keep_its_policy_alive():
     assert ref() is None
     with pytest.raises(RuntimeError, match="freed"):
         b.generate([[{"role": "user", "content": "x"}]], SamplingParams(temperature=0.0))
+
+
+class Gated:
+    """A policy whose every generate call blocks until the test opens its gate: the test decides
+    when each merged call ends, so nothing here depends on timing."""
+
+    name, version = "gated", "0"
+
+    def __init__(self):
+        self.started: list[list[str]] = []
+        self.gates: list[threading.Event] = []
+        self.cond = threading.Condition()
+
+    def generate(self, prompts, params=None, *, tools=None):
+        gate = threading.Event()
+        with self.cond:
+            self.started.append([p[-1]["content"] for p in prompts])
+            self.gates.append(gate)
+            self.cond.notify_all()
+        gate.wait(60)
+        return [[Sample(text=p[-1]["content"], prompt_token_ids=[1], completion_token_ids=[2], logprobs=[-0.1],
+                        finish_reason="stop", truncated=False, gen_ms=1.0)] for p in prompts]
+
+    def wait_started(self, n: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.started) >= n, timeout=60), f"call {n} never started"
+
+
+def test_the_leader_gets_its_reply_without_waiting_for_other_callers_batches():
+    """Under steady traffic the caller that ran the merged calls kept running them until nobody was
+    waiting, so its own reply never came (a 140-question replay timed out on one request)."""
+    inner = Gated()
+    b = BatchingPolicy(inner, max_prompts=8, window_s=0.0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    got: dict[str, str] = {}
+
+    def ask(t):
+        got[t] = b.generate([[{"role": "user", "content": t}]], params)[0][0].text
+
+    a = threading.Thread(target=ask, args=("a",))
+    a.start()
+    inner.wait_started(1)  # a leads; its call runs
+    others = [threading.Thread(target=ask, args=(t,)) for t in ("b", "c")]
+    for th in others:
+        th.start()
+    deadline = time.monotonic() + 60
+    while len(b._pending) < 2 and time.monotonic() < deadline:  # b and c are queued behind a's call
+        time.sleep(0.01)
+    inner.gates[0].set()  # a's call ends
+    inner.wait_started(2)  # the next merged call (b, c) runs and stays open ...
+    a.join(60)
+    assert not a.is_alive() and got["a"] == "a"  # ... yet a has its reply
+    assert sorted(inner.started[1]) == ["b", "c"]
+    inner.gates[1].set()
+    for th in others:
+        th.join(60)
+    assert got == {"a": "a", "b": "b", "c": "c"} and not b._leader

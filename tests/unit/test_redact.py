@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flywheel.artifacts import ArtifactStore
+from flywheel.config import IngestConfig
 from flywheel.redact import Redactor
 
 SECRETS = {
@@ -108,3 +109,12 @@ def test_planted_secrets_never_stored_in_clear(cfg, store, tmp_path):
         for blob in blobs:
             assert secret.encode() not in blob
     assert any("[REDACTED:email]" in t for t in texts)
+
+
+def test_hex_identifiers_are_not_card_numbers():
+    """A 32-hex-digit OTLP trace id or a ``chatcmpl-<hex>`` response id can hold a Luhn-valid run of
+    13+ digits (this one was redacted before, and a trace id so redacted was replaced by a pseudonym)."""
+    r = Redactor.from_config(IngestConfig())
+    rid = "chatcmpl-7006a2870c6e4945958026843e7d031f"
+    assert r.text(rid) == rid and r.text("trace 4945958026843e7d031f7006a2870c6e") == "trace 4945958026843e7d031f7006a2870c6e"
+    assert r.text("card: 4111 1111 1111 1111.") == "card: [REDACTED:card]."

@@ -220,7 +220,7 @@ def test_rollout_rows_keep_weak_verdicts_out_of_training():
 
 
 def test_cycle_summary_warns_about_weak_sandboxes_and_dropped_samples():
-    from flywheel.cli.cycle import sandbox_warning
+    from flywheel.cycle import sandbox_warning
 
     ok = {"stages": {"sandbox": {"warning": ""}, "rollouts": {"stats": {"untrainable": 0}}}}
     assert sandbox_warning(ok) is None
