@@ -202,9 +202,12 @@ def test_finding6_any_exception_while_preparing_is_isolated(cfg, store, arts, tm
 
 def test_finding6_faults_in_the_otel_and_bfcl_readers_are_isolated(cfg, store, arts, tmp_path, monkeypatch):
     import flywheel.ingest.formats as formats
+    import flywheel.ingest.otlp as otlp
 
     fix = Path(__file__).parents[1] / "fixtures" / "traces"
-    monkeypatch.setattr(formats, "otel_to_trace", _raise_for("5b8efff798038103d269b633813fc60c", formats.otel_to_trace))
+    # (The assembler reads the shapes it expects to go wrong as otel_unreadable; any other exception
+    # in assembling a trace must still cost only that trace.)
+    monkeypatch.setattr(otlp, "to_trace", _raise_for("5b8efff798038103d269b633813fc60c", otlp.to_trace))
     s = ingest_paths(cfg, store, arts, [fix / "otel.jsonl"])
     assert s.quarantined_by_reason == {"otel_no_genai": 1, "internal_error": 1} and s.ingested == 1
     assert store.entity("trace:6c9f00a8a9149214e37ac744924fd71d") is not None
