@@ -17,7 +17,7 @@ Guarantees
   names the previous champion, which is the recorded move's ``from``. :func:`reconcile_champion`
   completes such a move, and it runs at start-up of everything that acts on the champion:
   :func:`promote`, :func:`rollback`, the gate (:func:`flywheel.gate.run_gate`), rollouts from the
-  champion, the cycle flow and the demo's bootstrap. (The reverse order, used before, could leave an
+  champion, the cycle flow, the demo's bootstrap and ``flywheel serve --champion``. (The reverse order, used before, could leave an
   unrecorded champion that ``rollback`` could not resolve.)
 - :func:`rollback` without ``to`` returns to the champion that preceded the current one's latest
   promotion; ``to`` must be a version that was promoted before (rolling back to a never-gated
@@ -29,9 +29,9 @@ Guarantees
 
 Not guaranteed: alias changes made outside flywheel (MLflow UI) are *served* (the watcher follows
 the alias) but not recorded in the deployment history; :func:`reconcile_champion` reports them as
-``diverged`` and leaves them alone. ``flywheel serve`` does not open the event store, so it cannot
-reconcile: after an interrupted promotion it keeps serving the previous champion (the alias) until
-the next command that acts on the champion completes the move, then swaps within ``poll_alias_s``.
+``diverged`` and leaves them alone. ``flywheel serve --champion`` reconciles once at start-up, when
+the event store is free; a move interrupted while it runs is served once the next command that acts
+on the champion completes it (the watcher then swaps within ``poll_alias_s``).
 """
 
 from __future__ import annotations
@@ -444,5 +444,21 @@ class ChampionWatcher:
 
 
 def champion_provider(cfg: Any, name: str | None = None, **kw: Any) -> ChampionWatcher:
-    """A started :class:`ChampionWatcher`: pass it as ``policy_provider`` to ``create_app``."""
-    return ChampionWatcher(cfg, name, **kw).start()
+    """A started :class:`ChampionWatcher`: pass it as ``policy_provider`` to ``create_app``. At start
+    it opens the event store briefly to complete an interrupted promotion first (when another
+    process holds the store, it serves the alias as it is: that process reconciles when it acts on
+    the champion, and the watcher follows)."""
+    from flywheel.store import StoreLockedError, open_store
+
+    watcher = ChampionWatcher(cfg, name, **kw)
+    tracker = kw.get("tracker")
+    try:
+        with open_store(cfg) as store:
+            if tracker is None:
+                from flywheel.tracking import Tracker
+
+                tracker = Tracker(cfg)
+            reconcile_champion(store, tracker, watcher.name)
+    except StoreLockedError as e:
+        log.info("not reconciling the champion at start-up (%s); serving the alias as it is", e)
+    return watcher.start()

@@ -139,6 +139,19 @@ def test_finding10_after_the_kill_the_move_is_recorded_and_completed_at_start_up
         assert reconcile_champion(store, tracker, name).action == "in_sync"
 
 
+def test_finding10_serve_completes_the_interrupted_move_at_start_up(world):
+    from flywheel.deploy import champion_provider
+
+    cfg, tracker = world
+    _kill_between(cfg)
+    assert tracker.get_alias_version(cfg.cycle.model_name, CHAMPION) == 1
+    watcher = champion_provider(cfg, tracker=tracker, loader=lambda v: f"policy v{v}", poll_s=3600)
+    try:
+        assert watcher.version == 2 and watcher()[1] == "policy v2"
+    finally:
+        watcher.stop()
+
+
 def test_finding10_reconcile_completes_only_a_recorded_move(world):
     from flywheel.deploy import reconcile_champion
 
