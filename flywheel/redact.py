@@ -200,8 +200,9 @@ BUILTIN_TRIGGERS: dict[str, str] = {
     r"|gh[pousr]_|github_pat_|glpat-|xox[abposre]-|hooks\.slack\.com|AIza|GOCSPX-|ya29\.|SG\.|SK[0-9a-fA-F]{32}"
     r"|-us[0-9]|npm_|pypi-|hf_|[MNO][A-Za-z0-9_\-]{23,25}\.|[0-9]{8}:|sq0|AKC|dop_v1_|shp(?:at|ca|pa|ss)_|dapi"
     r"|sig=",
-    "secret": r"(?i:password|passwd|passphrase|secret|credential|contrase|pwd|token|auth|key|pass)"
-    r"(?:\\*[\"'`])?(?:[ \t]|\\t)*[:=]",
+    # every last word a secret key can end with (compounds end in ``key`` or ``pass``), whole
+    "secret": r"(?i:password|passwd|passphrase|secret|credentials?|contrase(?:n|ñ)a|pwd|token|auth|authorization"
+    r"|key|pass)(?:\\*[\"'`])?(?:[ \t]|\\t)*[:=]",
     "card": r"\d(?:[ -]?\d){12}",
     "email": r"@",
     "phone": r"\+\d|\(\d|\d{3}[ .\-]\d{3}[ .\-]\d{4}",

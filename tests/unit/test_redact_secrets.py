@@ -460,7 +460,7 @@ def test_finding7_password_in_tool_arguments_never_reaches_events_parquet_or_qua
 # -- the raw-line prefilter ----------------------------------------------------------------------------
 FRAGMENTS = st.sampled_from([
     "password", "PASSWORD", "DB_", "client_", "Secret", "token", "max_", "s", "api", "_key", "Key", "apiKey",
-    "Authorization", "auth", "=", ":", ": ", " = ", '"', "'", "\\", "\t", "\n", "x", "7", "hunter2", PASSWORD,
+    "Authorization", "auth", "credentials", "contraseña", "passphrase", "apikey", "pwd", "=", ":", ": ", " = ", '"', "'", "\\", "\t", "\n", "x", "7", "hunter2", PASSWORD,
     "eyJ", "abcdefghijkl", ".", "-----BEGIN ", "RSA ", "PRIVATE KEY", "-----", "-----END ", "Basic ", "YWRtaW46cHc=",
     "://", "u:p", "@", "host", "sk_live_", "AKIA", "ghp_", "Bearer ", "0123456789ABCDEF", "&", "?", "<x>", "${X}",
     "[REDACTED:secret]", "{", "}", "[", "]", ",",
