@@ -46,6 +46,7 @@ from flywheel.cycle import (
     new_failures_since_last_cycle,
     summarize,
 )
+from flywheel.deploy import reconcile_champion
 from flywheel.sandbox import isolation_report
 from flywheel.store import NewEvent
 
@@ -329,7 +330,7 @@ def flywheel_cycle(
         # model instead), so they are skipped.
         tracker = _R.tracker
         name = cfg.cycle.model_name
-        champion = tracker.get_alias_version(name, "champion")
+        champion = reconcile_champion(store, tracker, name).champion  # an interrupted promotion is completed
         champion_ref = f"model:{name}/{champion}" if champion is not None else f"base:{cfg.policy.base_model}"
         roll: dict[str, Any] = {}
         if cfg.train.mode != "sft":

@@ -6,6 +6,10 @@ Guarantees
   half-written artifact under its final name.
 - Idempotent: the name is the SHA-256 of the bytes, so writing the same content twice yields the same
   reference and no second copy. Parquet is written deterministically (same table -> same bytes).
+- Self-healing: writing content whose file already exists re-hashes that file first; a file that no
+  longer hashes to its name (bit rot, truncation) is replaced atomically by the new copy, so
+  re-running the stage that produced an artifact repairs it. The check costs one read of the
+  existing file (a few ms per MB), paid only when the same content is written again.
 - Verified: every read re-hashes the file; a mismatch raises :class:`ArtifactCorruptError` naming the
   file and both hashes. A corrupted artifact is never silently used.
 - Private: files are 0600 and directories 0700 (traces are user data).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -30,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 _CHUNK = 1 << 20
+log = logging.getLogger(__name__)
 
 
 class ArtifactError(RuntimeError):
@@ -106,12 +112,22 @@ class ArtifactStore:
         self.objects.mkdir(parents=True, exist_ok=True, mode=0o700)
         return self.objects / f".tmp-{uuid.uuid4().hex}"
 
+    def _intact(self, path: Path, sha256: str) -> bool:
+        """Whether ``path`` exists and hashes to ``sha256`` (an unreadable file is not intact)."""
+        try:
+            return path.exists() and sha256_file(path) == sha256
+        except OSError:
+            return False
+
     def _commit(self, tmp: Path, sha256: str, ext: str) -> Path:
         final = self.path(sha256, ext)
         final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if final.exists():
+        if self._intact(final, sha256):
             tmp.unlink()
         else:
+            if final.exists():
+                log.warning("artifact %s was corrupted (it no longer hashed to its name); replaced by the copy "
+                            "just written", final)
             os.chmod(tmp, 0o600)
             os.replace(tmp, final)
             _fsync_dir(final.parent)
@@ -120,7 +136,7 @@ class ArtifactStore:
     # -- writing -------------------------------------------------------------------------------
     def put_bytes(self, data: bytes, ext: str = "bin") -> ArtifactRef:
         sha = hashlib.sha256(data).hexdigest()
-        if self.path(sha, ext).exists():
+        if self._intact(self.path(sha, ext), sha):
             return ArtifactRef(sha, ext, len(data))
         tmp = self._tmp()
         with open(tmp, "wb") as f:

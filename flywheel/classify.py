@@ -40,6 +40,9 @@ more, e.g. a test run); an unknown declared kind is kept in ``details``.
 
 Not covered: nested argument schemas are checked one level deep (types of top-level arguments, the
 items of arrays); ``$ref``/``oneOf`` schemas are not interpreted. The verifier does the full check.
+Malformed schema parts (``"required": 5``, ``"type": [{}]``, non-object ``properties``) are read
+as absent rather than raising: a tool schema is the producer's data, and one bad schema must not cost
+its trace (ingest quarantines any record whose classification still raises, as ``internal_error``).
 """
 
 from __future__ import annotations
@@ -176,7 +179,7 @@ def _type_ok(value: Any, schema: Any) -> bool:
     if isinstance(t, str):
         if not _JSON_TYPES.get(t, _any_type)(value):
             return False
-    elif isinstance(t, list) and t and not any(_JSON_TYPES.get(x, _any_type)(value) for x in t):
+    elif isinstance(t, list) and t and not any(_JSON_TYPES.get(x, _any_type)(value) for x in t if isinstance(x, str)):
         return False
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         return all(_type_ok(v, schema["items"]) for v in value)
@@ -203,8 +206,11 @@ def _resolve(name: str, schemas: dict[str, Any]) -> str | None:
 def _check_against_schema(call: Call, schema: dict[str, Any], kinds: set[str], details: list[str]) -> None:
     args = call.arguments or {}
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    for req in schema.get("required") or ():
-        if req not in args:
+    # Malformed schema parts (``"required": 5``, a non-string name) are read as absent: the trace is
+    # still classified by what is well-formed, and the verifier reports the schema itself.
+    required = schema.get("required")
+    for req in required if isinstance(required, list) else ():
+        if isinstance(req, str) and req not in args:
             kinds.add("missing_required_arg")
             details.append(f"{call.name}: missing required argument {req!r}")
     for k, v in args.items():
@@ -247,7 +253,8 @@ def _check_against_correction(
         call = calls[match]
         if call.arguments is None:
             continue
-        props = (schemas.get(name) or {}).get("properties") or {}
+        props = (schemas.get(name) or {}).get("properties")
+        props = props if isinstance(props, dict) else {}
         for p, spec in exp["arguments"].items():
             if isinstance(spec, dict) and "one_of" in spec:
                 allowed, optional = spec["one_of"], bool(spec.get("optional", False))

@@ -57,8 +57,11 @@ class IngestConfig(_Section):
     )
     redact: bool = Field(True, description="Redact secrets and PII before anything is stored.")
     redaction_builtin: list[str] = Field(
-        default_factory=lambda: ["api_key", "bearer", "email", "phone", "card"],
-        description="Built-in redaction rules to apply (api_key, bearer, email, phone, card).",
+        default_factory=lambda: ["private_key", "basic_auth", "bearer", "jwt", "api_key", "secret", "card", "email",
+                                 "phone"],
+        description="Built-in redaction rules to apply (private_key, basic_auth, bearer, jwt, api_key, secret, "
+        "card, email, phone; applied in that order). `secret` also redacts object values by their key "
+        "names (password, token, api_key, ...).",
     )
     redaction_rules: list[RedactionRule] = Field(
         default_factory=list, description="Extra user rules, applied after the built-in ones."

@@ -131,12 +131,12 @@ def ensure_champion(cfg: Any, store: Any, tracker: Any) -> tuple[int, bool]:
 
     Idempotent: an existing champion is kept (a re-run of the demo continues from it).
     """
-    from flywheel.deploy import promote
+    from flywheel.deploy import promote, reconcile_champion
     from flywheel.policy.models import ensure_base_model
     from flywheel.store import NewEvent
 
     name = cfg.cycle.model_name
-    current = tracker.get_alias_version(name, "champion")
+    current = reconcile_champion(store, tracker, name).champion  # a bootstrap killed half-way is completed
     if current is not None:
         return current, False
     spec = cfg.policy.base_model

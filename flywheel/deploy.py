@@ -9,10 +9,16 @@ Guarantees
   and which gate decision, if any, it overrode).
 - Every move appends one event on ``deploy:<model name>``: ``model.promoted`` (causation: the gate
   decision and the model version) or ``model.rolled_back`` (causation: the model version). Payloads
-  record who (``getpass.getuser()``), when, from -> to. The alias is moved first and the event
-  appended second; if the append fails the alias is moved back before the error propagates, so the
-  alias and the history never disagree after a failed call. Appends use ``expected_version`` on the
-  deploy stream, so two concurrent promoters cannot both record a move from the same champion.
+  record who (``getpass.getuser()``), when, from -> to.
+- The history is written first and the alias moved second. The append uses ``expected_version`` on
+  the deploy stream, so two concurrent promoters cannot both record a move from the same champion,
+  and a refused or failed append leaves the alias untouched. A process killed between the two steps
+  (or an MLflow error in the second) leaves a move that is recorded but not applied: the alias still
+  names the previous champion, which is the recorded move's ``from``. :func:`reconcile_champion`
+  completes such a move, and it runs at start-up of everything that acts on the champion:
+  :func:`promote`, :func:`rollback`, the gate (:func:`flywheel.gate.run_gate`), rollouts from the
+  champion, the cycle flow, the demo's bootstrap and ``flywheel serve --champion``. (The reverse order, used before, could leave an
+  unrecorded champion that ``rollback`` could not resolve.)
 - :func:`rollback` without ``to`` returns to the champion that preceded the current one's latest
   promotion; ``to`` must be a version that was promoted before (rolling back to a never-gated
   version would bypass the gate: promote it instead).
@@ -22,7 +28,10 @@ Guarantees
   policy finishes on it. A version that fails to load is logged and the old one keeps serving.
 
 Not guaranteed: alias changes made outside flywheel (MLflow UI) are *served* (the watcher follows
-the alias) but not recorded in the deployment history.
+the alias) but not recorded in the deployment history; :func:`reconcile_champion` reports them as
+``diverged`` and leaves them alone. ``flywheel serve --champion`` reconciles once at start-up, when
+the event store is free; a move interrupted while it runs is served once the next command that acts
+on the champion completes it (the watcher then swaps within ``poll_alias_s``).
 """
 
 from __future__ import annotations
@@ -118,16 +127,54 @@ def find_gate_decision(
     return matches[-1] if matches else None
 
 
-def _append(store: Any, tracker: Any, name: str, event: NewEvent, expected: int, restore: int | None,
-            correlation_id: str | None) -> int | None:
+@dataclass(frozen=True)
+class Reconciliation:
+    """What :func:`reconcile_champion` found and did. ``action``: ``in_sync`` (the alias is the last
+    recorded move's target, or there is no history and no alias), ``completed`` (a recorded move the
+    alias had not followed was applied), ``diverged`` (the alias was set outside flywheel: left
+    alone), ``unrecorded`` (an alias and no deployment history)."""
+
+    model: str
+    action: str
+    alias_before: int | None
+    recorded: int | None
+
+    @property
+    def champion(self) -> int | None:
+        return self.recorded if self.action == "completed" else self.alias_before
+
+
+def reconcile_champion(store: Any, tracker: Any, name: str) -> Reconciliation:
+    """Bring the ``champion`` alias in line with the deployment history (see the module docstring)."""
+    history = deployments(store, name)
+    alias = tracker.get_alias_version(name, CHAMPION)
+    if not history:
+        return Reconciliation(name, "unrecorded" if alias is not None else "in_sync", alias, None)
+    last = history[-1]
+    if alias == last.to_version:
+        return Reconciliation(name, "in_sync", alias, last.to_version)
+    if alias == last.from_version:
+        # Recorded, never applied: the process stopped between the append and the alias move.
+        tracker.set_alias(name, CHAMPION, last.to_version)
+        log.warning("completed the interrupted %s of %s: champion %s -> %s (recorded at seq %s)",
+                    last.action, name, alias, last.to_version, last.seq)
+        return Reconciliation(name, "completed", alias, last.to_version)
+    log.warning("the champion alias of %s (version %s) is not the last recorded deployment (version %s): it "
+                "was moved outside flywheel; left as it is", name, alias, last.to_version)
+    return Reconciliation(name, "diverged", alias, last.to_version)
+
+
+def _record_then_move(store: Any, tracker: Any, name: str, event: NewEvent, expected: int, target: int,
+                      correlation_id: str | None) -> int | None:
+    """Append the deployment event (expected version), then move the alias."""
+    res = store.append(deploy_stream(name), event, expected_version=expected, correlation_id=correlation_id)
     try:
-        res = store.append(deploy_stream(name), event, expected_version=expected, correlation_id=correlation_id)
-    except BaseException:
-        if restore is None:
-            tracker.delete_alias(name, CHAMPION)
-        else:
-            tracker.set_alias(name, CHAMPION, restore)
-        raise
+        tracker.set_alias(name, CHAMPION, target)
+    except Exception as e:
+        raise DeployError(
+            f"the {event.type} of model:{name}/{target} is recorded (seq {res.last_seq}) but moving the "
+            f"MLflow alias failed ({e}); the next promote, rollback, gate, rollout or cycle completes it"
+        ) from e
     return res.last_seq
 
 
@@ -154,6 +201,7 @@ def promote(
     _check_version(tracker, name, version)
     if force and not (reason and reason.strip()):
         raise DeployError("--force needs --reason: a forced promotion must say why (it is recorded)")
+    reconcile_champion(store, tracker, name)
     stream_version = store.stream_version(deploy_stream(name))
     current = tracker.get_alias_version(name, CHAMPION)
     if current == version:
@@ -210,9 +258,8 @@ def promote(
     }
     payload.pop("seq")
     causation = [c for c in (gate_id, f"model:{name}/{version}") if c]
-    tracker.set_alias(name, CHAMPION, version)
-    seq = _append(store, tracker, name, NewEvent("model.promoted", payload, causation), stream_version, current,
-                  correlation_id)
+    seq = _record_then_move(store, tracker, name, NewEvent("model.promoted", payload, causation), stream_version,
+                            version, correlation_id)
     log.info("promoted model:%s/%s (was %s) gate=%s forced=%s", name, version, current, gate_id, dep.forced)
     return Deployment(**{**dep.to_json(), "seq": seq})
 
@@ -243,6 +290,7 @@ def rollback(
 ) -> Deployment:
     """Move ``champion`` back (to the previous champion, or to ``to``); appends ``model.rolled_back``."""
     name = cfg.cycle.model_name
+    reconcile_champion(store, tracker, name)
     stream_version = store.stream_version(deploy_stream(name))
     current = tracker.get_alias_version(name, CHAMPION)
     if current is None:
@@ -274,9 +322,8 @@ def rollback(
     )
     payload = dep.to_json()
     payload.pop("seq")
-    tracker.set_alias(name, CHAMPION, target)
-    seq = _append(store, tracker, name, NewEvent("model.rolled_back", payload, [f"model:{name}/{target}"]),
-                  stream_version, current, correlation_id)
+    seq = _record_then_move(store, tracker, name, NewEvent("model.rolled_back", payload, [f"model:{name}/{target}"]),
+                            stream_version, target, correlation_id)
     log.info("rolled back %s: %s -> %s", name, current, target)
     return Deployment(**{**dep.to_json(), "seq": seq})
 
@@ -397,5 +444,21 @@ class ChampionWatcher:
 
 
 def champion_provider(cfg: Any, name: str | None = None, **kw: Any) -> ChampionWatcher:
-    """A started :class:`ChampionWatcher`: pass it as ``policy_provider`` to ``create_app``."""
-    return ChampionWatcher(cfg, name, **kw).start()
+    """A started :class:`ChampionWatcher`: pass it as ``policy_provider`` to ``create_app``. At start
+    it opens the event store briefly to complete an interrupted promotion first (when another
+    process holds the store, it serves the alias as it is: that process reconciles when it acts on
+    the champion, and the watcher follows)."""
+    from flywheel.store import StoreLockedError, open_store
+
+    watcher = ChampionWatcher(cfg, name, **kw)
+    tracker = kw.get("tracker")
+    try:
+        with open_store(cfg) as store:
+            if tracker is None:
+                from flywheel.tracking import Tracker
+
+                tracker = Tracker(cfg)
+            reconcile_champion(store, tracker, watcher.name)
+    except StoreLockedError as e:
+        log.info("not reconciling the champion at start-up (%s); serving the alias as it is", e)
+    return watcher.start()

@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from flywheel.deploy import reconcile_champion
 from flywheel.stats import (
     BootstrapResult,
     items_needed,
@@ -793,6 +794,7 @@ def run_gate(
     except Exception as e:
         raise GateError(f"model:{name}/{version} is not a registered model version: {e}") from None
     challenger = ModelRef.registered(name, version)
+    reconcile_champion(store, tracker, name)  # complete an interrupted promotion before comparing with it
     champion = _champion_ref(cfg, tracker, version)
 
     spec = suite if suite is not None else cfg.cycle.heldout_suite

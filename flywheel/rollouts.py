@@ -36,6 +36,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from flywheel.deploy import reconcile_champion
 from flywheel.store import NewEvent, canonical_json
 
 
@@ -286,6 +287,8 @@ def run_rollouts(
         "max_new_tokens": rc.max_new_tokens, "seed": rc.seed, "max_tasks": cap, "advantage": rc.advantage,
         "dynamic_sampling": rc.dynamic_sampling, "max_turns": rc.max_turns,
     }
+    if policy is None or policy == "champion":  # complete an interrupted promotion before sampling from it
+        reconcile_champion(store, tracker, cfg.cycle.model_name)
     resolved = policy if isinstance(policy, ResolvedPolicy) else resolve_policy(cfg, tracker, policy)
     rid = rollout_id_for(env_obj.entity_id, resolved.ref, params_dict)
 

@@ -947,6 +947,10 @@ class Assembler:
             return []
         return [t for t in self._ends.pop(lineno, ()) if t in self._open]
 
+    def line_of(self, tid: str) -> Any:
+        """The line where the open trace ``tid`` started (where its problems are quarantined)."""
+        return self._open[tid]["line"]
+
     def remaining(self) -> list[str]:
         """Trace ids still open (at the end of the file)."""
         return list(self._open)

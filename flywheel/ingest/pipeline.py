@@ -51,8 +51,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 import queue
+import sys
 import threading
 import time
 import zlib
@@ -218,6 +220,24 @@ def _whole_document(path: Path, max_line_bytes: int) -> bytes | None:
     if len(data) > max_line_bytes:
         raise IngestError(f"{path}: a multi-line JSON document larger than ingest.max_line_bytes; write JSON Lines")
     return data
+
+
+def _record_bytes(x: Any) -> bytes:
+    """One element of a JSON array document as a JSON line, for the per-record path. orjson refuses
+    what the fallback parser accepted (lone surrogates, integers beyond 64 bits, > 255 levels): the
+    standard library writes those back as they were written (``\\ud800`` escapes, all digits), so
+    the record meets the same per-record checks as it would on a line of its own. Its recursion
+    limit is raised for the call: the element was parsed, so it is at most ~1,000 levels deep."""
+    try:
+        return orjson.dumps(x)
+    except (TypeError, ValueError):
+        pass
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 5000))
+    try:
+        return json.dumps(x, ensure_ascii=True).encode()
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 class _Committer:
@@ -467,8 +487,10 @@ def detect_file_format(path: Path, fmt: str, doc: bytes | None, max_line: int, s
         return fmt
     if doc is not None:
         obj, _ = formats.parse_json(doc)
-        return "openai" if isinstance(obj, list) and (not obj or "bfcl_id" not in obj[0]) else formats.detect_format(
-            obj[0] if isinstance(obj, list) and obj else obj)
+        # An array of records is OpenAI format unless its first record is a BFCL replay record (the
+        # first record may be anything: ``[5, {...}]`` is still an array of records).
+        fmt = formats.detect_format(obj[0] if isinstance(obj, list) and obj else obj)
+        return "openai" if isinstance(obj, list) and fmt != "bfcl" else fmt
     return _sniff_format(path, max_line) if size else "openai"
 
 
@@ -476,7 +498,7 @@ def document_lines(doc: bytes) -> Iterator[Line]:
     """The records of a whole JSON document: the items of a top-level array, else the document."""
     obj, prob = formats.parse_json(doc)
     if prob is None and isinstance(obj, list):
-        return iter([Line(i + 1, orjson.dumps(x)) for i, x in enumerate(obj)])
+        return iter([Line(i + 1, _record_bytes(x)) for i, x in enumerate(obj)])
     return iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
 
 

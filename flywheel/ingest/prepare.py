@@ -11,6 +11,18 @@ quarantine rows, the static part of each new failure's payload). Arrow crosses a
 as a few large buffers instead of ~10^6 small Python objects per batch, and the commit works on
 columns instead of looping over rows.
 
+Fault isolation: each record (a line, or for OTel an assembled trace) is prepared under
+:meth:`Preparer._isolated`. Any exception it raises -- in a reader/adapter, validation, redaction,
+classification or serialisation, including readers added later -- quarantines that record with
+reason ``internal_error`` and a detail that starts with the exception class; the rest of the file
+goes on. That holds because :meth:`Preparer._accept` computes everything first, including the JSON
+the commit will write for a new failure, and only then adds the record to the batch in one step that
+cannot fail. Not covered: an exception in the commit itself (the store, the artifact store, the
+expectation suite) still stops the file, as it must: those are not properties of one record; and
+the OTLP assembler keeps traces open across lines, so when reading a line raises part-way, what it
+had read of that line stays with its traces (the line is quarantined; replaying it later finds
+those traces already ingested).
+
 Cost per record (measured on the issue 3 benchmark workload, 2 cores, gc enabled): parse ~7 µs,
 validation ~6 µs, classification of a failure ~15 µs (a success: < 1 µs), failure identity ~6 µs,
 serialising the redacted trace ~2 µs.
@@ -19,6 +31,7 @@ serialising the redacted trace ~2 µs.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +49,10 @@ from flywheel.ingest.otlp import Assembler
 from flywheel.ingest.reader import Line
 from flywheel.ingest.validate import Limits, validate
 from flywheel.redact import Redactor
+from flywheel.store import canonical_json
 from flywheel.tool_registry import SOURCES_KEY, load_registry, resolve_undeclared
+
+log = logging.getLogger(__name__)
 
 # One row per trace that reaches the commit. ``payload_head``/``payload_tail`` are the
 # ``trace.ingested`` event payload (canonical JSON) around the artifact reference, which only the
@@ -62,6 +78,31 @@ PREPARED_SCHEMA = pa.schema(
 
 _SORT = orjson.OPT_SORT_KEYS
 _NO_KINDS: list[str] = []
+INTERNAL_ERROR = "internal_error"
+
+
+def utf8_safe(s: str) -> str:
+    """``s`` with lone surrogates written as ``\\udXXX`` escapes: Arrow and DuckDB refuse them."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def internal_error_detail(e: BaseException) -> str:
+    """The quarantine detail of a record whose preparation raised: the exception class first."""
+    return utf8_safe(f"{type(e).__name__}: {e}"[:600] + " (an internal error while preparing this record; the "
+                     "rest of the file was ingested. After a fix, `flywheel ingest --replay-quarantine` retries it)")
+
+
+def _dumps_or_walk(rec: Any) -> bytes:
+    """A record's JSON for the redaction prefilter; for one orjson cannot write (a lone surrogate,
+    > 255 levels), a text the prefilter always flags, so the record is walked (and fails alone)."""
+    try:
+        return orjson.dumps(rec)
+    except (TypeError, ValueError):
+        return b"\\u"
 
 
 @dataclass
@@ -145,6 +186,25 @@ class _Rows:
         for s in self.__slots__:
             setattr(self, s, [])
 
+    def add(self, trace_id: str, source: str, status: str, kinds: list[str], failure_id: str | None, timestamp: str,
+            model: str, trace: bytes, line: int, epoch: float, n_messages: int, roles: str, head: bytes,
+            tail: bytes) -> None:
+        """One row, all columns at once (list appends: nothing here can fail half-way)."""
+        self.trace_id.append(trace_id)
+        self.source.append(source)
+        self.status.append(status)
+        self.kinds.append(kinds)
+        self.failure_id.append(failure_id)
+        self.timestamp.append(timestamp)
+        self.model.append(model)
+        self.trace.append(trace)
+        self.line.append(line)
+        self.epoch.append(epoch)
+        self.n_messages.append(n_messages)
+        self.roles.append(roles)
+        self.head.append(head)
+        self.tail.append(tail)
+
     def table(self) -> pa.Table:
         return pa.table([
             pa.array(self.trace_id, pa.string()), pa.array(self.source, pa.string()),
@@ -169,12 +229,13 @@ class Preparer:
         self.redactor = Redactor.from_config(icfg)
         self.limits = Limits.from_config(icfg)
         self.fmt = fmt
-        self.file_name = file_name
+        self.file_name = utf8_safe(file_name)  # a file name with undecodable bytes
         self.file_sha = file_sha
         self.bfcl = formats.BfclAdapter() if fmt == "bfcl" else None
         self.content_counts: Counter[str] = Counter()  # content-derived, for ingest.completed
         self.kind_counts: Counter[str] = Counter()
         self.records = 0
+        self.internal_errors = 0
         self.lines = 0
         self.cut: str | None = None
         self.otel = Assembler(path, otel_companions, icfg.max_line_bytes) if fmt == "otel" else None
@@ -189,14 +250,35 @@ class Preparer:
     # quarantine ---------------------------------------------------------------------------------
     def _quarantine(self, b: Batch, line: Line, reason: str, detail: str, replayable: bool = True) -> None:
         raw = line.data.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
-        raw = self.redactor.text(raw)
-        detail = self.redactor.text(detail)
+        try:
+            raw = self.redactor.raw(raw)
+            detail = self.redactor.text(utf8_safe(detail))
+        except Exception as e:  # noqa: BLE001 - quarantining must not fail; unchecked text is never kept
+            raw, replayable = f"[raw text withheld: its redaction raised {type(e).__name__}]", False
+            detail = utf8_safe(detail.split(":", 1)[0])
         b.quarantine.append({
             "file": self.file_name, "file_sha256": self.file_sha, "line": line.lineno, "format": self.fmt,
             "reason": reason, "detail": detail[:1000], "raw": raw, "raw_bytes": line.oversize or len(line.data),
             "replayable": replayable,
         })
         self.content_counts[reason] += 1
+
+    def _isolated(self, b: Batch, line: Line, counted: bool, step: Callable[..., None], *args: Any) -> None:
+        """Run one record's ``step``; an exception quarantines the record as ``internal_error`` instead
+        of stopping the file (see the module docstring for why the batch needs no undo). ``counted``:
+        the record is already in ``b.read`` (else the step counts it, or this does if it fails first)."""
+        read = b.read
+        try:
+            step(*args)
+        except Exception as e:  # noqa: BLE001 - isolation is the point: one record never stops a file
+            self.internal_errors += 1
+            # The first few are logged with their traceback (a bug to report); the summary counts all.
+            (log.warning if self.internal_errors <= 3 else log.debug)(
+                "%s line %d: internal error while preparing the record (%s: %s); quarantined",
+                self.file_name, line.lineno, type(e).__name__, e, exc_info=True)
+            if not counted and b.read == read:
+                b.read += 1
+            self._quarantine(b, line, INTERNAL_ERROR, internal_error_detail(e))
 
     # records --------------------------------------------------------------------------------------
     def _accept(self, b: Batch, line: Line, rec: Any, needs_redaction: bool, seen: set[str]) -> None:
@@ -211,26 +293,28 @@ class Preparer:
             rec = self.redactor.trace(rec)
             if rec["trace_id"] != original_id:
                 # An id that itself carries PII is replaced by a stable pseudonym.
-                rec["trace_id"] = "redacted-" + hashlib.sha256(original_id.encode()).hexdigest()[:16]
+                rec["trace_id"] = "redacted-" + hashlib.sha256(utf8_safe(original_id).encode()).hexdigest()[:16]
             for k, v in self.redactor.counts.items():
                 if v != before.get(k, 0):
                     b.redactions[k] = b.redactions.get(k, 0) + v - before.get(k, 0)
         tid = rec["trace_id"]
-        self.records += 1
         if tid in seen:
+            self.records += 1
             b.in_batch_duplicates += 1
             return
-        seen.add(tid)
         cls = classify(rec)
+        first = None
         if cls.failed:
             fid, chash = failure_identity(rec)
             kinds = cls.kinds
             status = "failure"
-            for k in kinds:
-                self.kind_counts[k] += 1
             # Only the first trace of each failure in the batch is needed (a new failure's payload).
             if fid not in self._first:
-                self._first[fid] = failure_static_payload(rec, fid, chash, cls.details)
+                first = failure_static_payload(rec, fid, chash, cls.details)
+                # The commit writes this payload as the store's canonical JSON (strict: no lone
+                # surrogates, no infinities, bounded depth). Writing it here makes a record that
+                # cannot be written fail alone, instead of failing the commit of its whole batch.
+                canonical_json(first).encode("utf-8")
         else:
             fid, kinds, status = None, _NO_KINDS, "success"
         msgs = rec["messages"]
@@ -238,19 +322,7 @@ class Preparer:
         model = rec["model"]
         ts = dt.isoformat().replace("+00:00", "Z")  # type: ignore[union-attr]
         n_msgs = len(msgs)
-        r = self._rows
-        r.trace_id.append(tid)
-        r.source.append(source)
-        r.status.append(status)
-        r.kinds.append(kinds)
-        r.failure_id.append(fid)
-        r.timestamp.append(ts)
-        r.model.append(model)
-        r.trace.append(orjson.dumps(rec, option=_SORT))
-        r.line.append(line.lineno)
-        r.epoch.append(dt.timestamp())  # type: ignore[union-attr]
-        r.n_messages.append(n_msgs)
-        r.roles.append(",".join([m["role"] for m in msgs]))
+        trace = orjson.dumps(rec, option=_SORT)
         # The trace.ingested payload, keys in sorted order (it is canonical JSON, so the store's event
         # id of a re-ingested trace is the same): everything but the artifact reference, which the
         # commit splices in between head and tail. No floats here, so orjson's output equals
@@ -259,8 +331,17 @@ class Preparer:
             "failure_id": fid, "kinds": kinds, "model": model, "n_messages": n_msgs, "source": source,
             "source_id": rec.get("source_id"), "status": status, "timestamp": ts,
         })
-        r.head.append(head[:-1] + b',"trace":{"row":')
-        r.tail.append(b'},"trace_id":' + orjson.dumps(tid) + b"}")
+        tail = b'},"trace_id":' + orjson.dumps(tid) + b"}"
+        roles = ",".join([m["role"] for m in msgs])
+        # Everything that can fail has run: count the record and add its row.
+        self.records += 1
+        seen.add(tid)
+        for k in kinds:
+            self.kind_counts[k] += 1
+        if first is not None:
+            self._first[fid] = first  # type: ignore[index]
+        self._rows.add(tid, source, status, kinds, fid, ts, model, trace, line.lineno,
+                       dt.timestamp(), n_msgs, roles, head[:-1] + b',"trace":{"row":', tail)  # type: ignore[union-attr]
 
     def _otel_line(self, b: Batch, line: Line, obj: Any, seen: set[str]) -> None:
         problems, ready = self.otel.feed(obj, line)  # type: ignore[union-attr]
@@ -270,6 +351,10 @@ class Preparer:
             self._emit_otel(b, tid, seen)
 
     def _emit_otel(self, b: Batch, tid: str, seen: set[str]) -> None:
+        line = self.otel.line_of(tid)  # type: ignore[union-attr]
+        self._isolated(b, line, False, self._take_otel, b, tid)
+
+    def _take_otel(self, b: Batch, tid: str) -> None:
         b.read += 1
         rec, prob, line = self.otel.take(tid)  # type: ignore[union-attr]
         if prob:
@@ -284,9 +369,9 @@ class Preparer:
         ready, self._otel_ready = self._otel_ready, []
         if not ready:
             return
-        needs = self.redactor.lines_need_redaction([orjson.dumps(rec) for _, rec in ready])
+        needs = self.redactor.lines_need_redaction([_dumps_or_walk(rec) for _, rec in ready])
         for (line, rec), need in zip(ready, needs, strict=True):
-            self._accept(b, line, rec, need, seen)
+            self._isolated(b, line, True, self._accept, b, line, rec, need, seen)
 
     def batches(self, lines: Iterator[Line], pos: Callable[[], int], *, stride: int = 1,
                 offset: int = 0) -> Iterator[Batch]:
@@ -343,7 +428,7 @@ class Preparer:
                                  f"{line.oversize} bytes > ingest.max_line_bytes={self.icfg.max_line_bytes}",
                                  replayable=False)
             else:
-                self._record(b, line, seen, True if needs is None else needs[i])
+                self._isolated(b, line, False, self._record, b, line, seen, True if needs is None else needs[i])
         if end is not None:
             self.cut = end.error
             b.read += 1

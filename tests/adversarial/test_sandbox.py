@@ -9,6 +9,7 @@ mode fails loudly instead of weakening every test. The python attacks run on bot
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import textwrap
@@ -245,12 +246,12 @@ def test_fork_bomb():
             return a + b if n >= 1000 else -1
         """
     )
-    t0 = time.monotonic()
     r = run(attack)
     assert not r.passed and r.tests_passed == 0
-    # The bomb was contained by RLIMIT_NPROC: the harness still ran every test to completion.
+    # The bomb was contained by RLIMIT_NPROC: the harness still ran every test to completion, and the
+    # run ended by itself, not at the wall limit (the sandbox's own report, not this machine's clock).
     assert all(v.startswith("failed: AssertionError") for v in r.per_test.values()), r.per_test
-    assert time.monotonic() - t0 < CFG.wall_seconds + 3
+    assert r.killed_reason != "wall_timeout", r.killed_reason
     assert _leftover_sandbox_processes() == []
 
 
@@ -262,12 +263,11 @@ def test_memory_bomb():
 
 def test_infinite_loop():
     cfg = CFG.model_copy(update={"cpu_seconds": 1, "wall_seconds": 2.0})
-    t0 = time.monotonic()
     r = run("while True:\n    pass\n", cfg=cfg)
-    elapsed = time.monotonic() - t0
     assert not r.passed and r.tests_passed == 0
+    # Stopped by a limit, as the sandbox reports it. (An elapsed-time bound measured here, "< wall + 3 s",
+    # measured this machine's load as much as the sandbox.)
     assert r.killed_reason in ("cpu_time_limit", "wall_timeout") or "killed" in (r.killed_reason or "")
-    assert elapsed < cfg.wall_seconds + 3
 
 
 def test_huge_file():
@@ -327,18 +327,25 @@ def test_background_process_outliving_the_run(tmp_path):
     attack = textwrap.dedent(
         f"""
         import os, subprocess
-        subprocess.Popen(["/bin/sh", "-c", "exec -a {marker} sleep 30"], start_new_session=True)
+        subprocess.Popen(["/bin/sh", "-c", "exec -a {marker} sleep 900"], start_new_session=True)
         if os.fork() == 0:
             os.setsid()
-            os.execv("/bin/sleep", ["{marker}", "30"])
+            os.execv("/bin/sleep", ["{marker}", "900"])
         def add(a, b):
             return a - b
         """
     )
     r = run(attack)
     assert not r.passed
-    time.sleep(0.2)
-    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    # Poll until they are gone rather than sleep then look once: a loaded machine may take a moment
+    # to reap them. They sleep 900 s, so a survivor cannot pass by ending on its own within 60 s.
+    deadline = time.monotonic() + 60
+    while (out := subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()):
+        if time.monotonic() > deadline:
+            for pid in out:  # do not leave them behind
+                os.kill(int(pid), signal.SIGKILL)
+            break
+        time.sleep(0.1)
     assert out == [], f"background processes survived: {out}"
 
 

@@ -1,9 +1,12 @@
 """``flywheel serve --champion``: the server follows the champion alias without a restart and never
 drops a request that is in flight during a switch.
 
-Models are scripted policies (the real ``Policy`` interface, see test_gate_e2e.py for why) that
-take 0.4 s per request, so requests are demonstrably in flight while the alias moves. The alias is
-the real MLflow registry alias, moved by :func:`flywheel.deploy.promote` / :func:`rollback`.
+Models are scripted policies (the real ``Policy`` interface, see test_gate_e2e.py for why). In the
+switch test, version 1's ``generate`` holds until the test has seen the server swap to version 2,
+so its requests are demonstrably in flight while the alias moves; every wait is on the server's own
+progress (requests that took a policy, a generate in progress, the watcher's version), with
+generous deadlines, never on a fixed delay. The alias is the real MLflow registry alias, moved by
+:func:`flywheel.deploy.promote` / :func:`rollback`.
 """
 
 from __future__ import annotations
@@ -25,17 +28,30 @@ pytestmark = pytest.mark.slow
 
 
 class SlowPolicy:
-    def __init__(self, version: int, delay: float = 0.4):
-        self.name, self.version, self.delay = "policy", str(version), delay
+    """Answers once ``release`` is set (set from the start unless ``hold``)."""
+
+    def __init__(self, version: int, hold: bool = False):
+        self.name, self.version = "policy", str(version)
         self.active = 0
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
 
     def generate(self, prompts, params=None, *, tools=None):
         params = params if isinstance(params, SamplingParams) else SamplingParams()
         self.active += 1
-        time.sleep(self.delay)
+        assert self.release.wait(timeout=120), "the test never released this policy"
         self.active -= 1
-        return [[Sample(f"answer from v{self.version}", [1], [2], [-0.5], "stop", False, self.delay * 1000)
+        return [[Sample(f"answer from v{self.version}", [1], [2], [-0.5], "stop", False, 1.0)
                  for _ in range(params.n)] for _ in prompts]
+
+
+def _wait_for(condition, what: str, timeout_s: float = 120) -> None:
+    """Poll ``condition`` (the server's progress) until true; fail after a generous deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -66,33 +82,39 @@ def test_serve_switches_champion_without_dropping_in_flight_requests(cfg, store,
 
     def loader(v: int):
         loaded.append(v)
-        return SlowPolicy(v)
+        return SlowPolicy(v, hold=len(loaded) == 1)  # the first v1 holds its requests until released
+
+    taken: list[str] = []  # the version each request took from the provider, when it started
+
+    def provider():
+        name, policy = watcher()
+        taken.append(policy.version)
+        return name, policy
 
     cfg.serve.max_concurrency = 16
     watcher = ChampionWatcher(cfg, tracker=tracker, loader=loader, poll_s=0.1).start(install_sighup=False)
     try:
-        app = create_app(watcher, limits=ServeLimits.from_config(cfg.serve))
+        app = create_app(provider, limits=ServeLimits.from_config(cfg.serve))
         with run_in_thread(app) as url:
+            old = watcher()[1]
             assert httpx.get(f"{url}/health").json()["version"] == "1"
             results: list = []
+            started = len(taken)
             before = [threading.Thread(target=_chat, args=(url, results, i)) for i in range(4)]
             for t in before:
                 t.start()
-            # wait until the four requests are inside generate() on v1, then move the alias
-            old = watcher()[1]
-            deadline = time.monotonic() + 10
-            while old.active < 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            # All four requests have taken v1 and one generate on it is in progress (held): only
+            # then move the alias, so they are in flight across the switch on any machine.
+            _wait_for(lambda: taken[started:].count("1") == 4 and old.active >= 1, "four requests on v1")
             promote(cfg, store, tracker, 2, force=True, reason="serve switch test")
-            deadline = time.monotonic() + 10
-            while watcher.version != 2 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert watcher.version == 2
+            _wait_for(lambda: watcher.version == 2, "the watcher to serve v2")
+            assert len(results) == 0  # nothing on v1 has finished: they were in flight during the swap
+            old.release.set()
             after = [threading.Thread(target=_chat, args=(url, results, 10 + i)) for i in range(3)]
             for t in after:
                 t.start()
             for t in before + after:
-                t.join(timeout=30)
+                t.join(timeout=120)
             assert len(results) == 7
             assert all(code == 200 for _, code, _ in results), results
             by = {i: body for i, _, body in results}
@@ -103,9 +125,7 @@ def test_serve_switches_champion_without_dropping_in_flight_requests(cfg, store,
             assert all(body["model"] == "policy" for body in by.values())  # stable served name
             # rollback is picked up the same way
             rollback(cfg, store, tracker)
-            deadline = time.monotonic() + 10
-            while watcher.version != 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            _wait_for(lambda: watcher.version == 1, "the watcher to serve v1 again")
             assert httpx.get(f"{url}/health").json()["version"] == "1"
     finally:
         watcher.stop()
@@ -118,16 +138,14 @@ def test_sighup_triggers_reload_and_bad_version_keeps_old_model(cfg, registry):
     def loader(v: int):
         if v == 3:
             raise OSError("weights missing")
-        return SlowPolicy(v, delay=0.0)
+        return SlowPolicy(v)
 
     watcher = ChampionWatcher(cfg, tracker=tracker, loader=loader, poll_s=3600).start(install_sighup=True)
     try:
         assert watcher.version == 1
         tracker.set_alias("policy", "champion", 2)
         os.kill(os.getpid(), signal.SIGHUP)  # the poll interval is an hour: only the signal can explain a swap
-        deadline = time.monotonic() + 10
-        while watcher.version != 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _wait_for(lambda: watcher.version == 2, "the SIGHUP reload")
         assert watcher.version == 2 and watcher()[1].version == "2"
         tracker.set_alias("policy", "champion", 3)
         assert watcher.check_now() is False  # loading v3 fails: keep serving v2, report why

@@ -16,14 +16,20 @@ class Echo:
 
     name, version = "echo", "0"
 
-    def __init__(self, delay: float = 0.05, fail_on: str | None = None):
+    def __init__(self, delay: float = 0.05, fail_on: str | None = None, hold_first: bool = False):
         self.batches: list[int] = []
         self.delay, self.fail_on = delay, fail_on
         self.lock = threading.Lock()
+        # With ``hold_first`` the first call waits for ``release``: callers arriving meanwhile queue,
+        # however slowly this machine starts their threads.
+        self.release = threading.Event()
+        if not hold_first:
+            self.release.set()
 
     def generate(self, prompts, params=None, *, tools=None):
         with self.lock:  # like HFPolicy: one generation at a time
             self.batches.append(len(prompts))
+            assert self.release.wait(60), "the test never released the first call"
             time.sleep(self.delay)
             if self.fail_on and any(p[-1]["content"] == self.fail_on for p in prompts):
                 raise ValueError("prompt too long")
@@ -31,7 +37,9 @@ class Echo:
                             finish_reason="stop", truncated=False, gen_ms=1.0)] * params.n for p in prompts]
 
 
-def _call_concurrently(policy, texts, params):
+def _call_concurrently(policy, texts, params, *, release_when=None, release=None):
+    """Call ``policy`` from one thread per text. ``release_when()``: a condition on the batcher's
+    progress, polled until true (generous deadline), then the event ``release`` is set."""
     out, errors = {}, {}
 
     def run(t):
@@ -43,18 +51,28 @@ def _call_concurrently(policy, texts, params):
     threads = [threading.Thread(target=run, args=(t,)) for t in texts]
     for th in threads:
         th.start()
+    if release_when is not None:
+        deadline = time.monotonic() + 60
+        while not release_when():
+            assert time.monotonic() < deadline, "the callers never queued"
+            time.sleep(0.005)
+        release.set()
     for th in threads:
-        th.join(10)
+        th.join(60)
     return out, errors
 
 
 def test_concurrent_greedy_calls_are_merged_and_answered_in_order():
-    inner = Echo()
+    inner = Echo(hold_first=True)
     b = BatchingPolicy(inner, max_prompts=8, window_s=0.05)
     texts = [f"q{i}" for i in range(8)]
-    out, errors = _call_concurrently(b, texts, SamplingParams(temperature=0.0, max_new_tokens=4))
+    # The first call is held until every other caller has queued behind it (their threads may start
+    # late on a busy machine: waiting on the queue, not on a clock, makes the merge certain).
+    out, errors = _call_concurrently(b, texts, SamplingParams(temperature=0.0, max_new_tokens=4),
+                                     release=inner.release,
+                                     release_when=lambda: inner.batches and inner.batches[0] + len(b._pending) == 8)
     assert not errors and out == {t: t for t in texts}  # every caller got its own answer
-    assert sum(inner.batches) == 8 and len(inner.batches) < 8  # fewer calls than requests
+    assert sum(inner.batches) == 8 and len(inner.batches) <= 2  # the queued callers shared one call
     assert max(inner.batches) <= 8
 
 
