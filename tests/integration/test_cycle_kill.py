@@ -75,7 +75,7 @@ def killed_and_rerun(tmp_path_factory, it):
 
 def test_the_rerun_finishes(killed_and_rerun):
     home, result, kills, _ = killed_and_rerun
-    assert result["outcome"] in ("promoted", "refused"), result
+    assert result["outcome"] in ("promoted", "refused", "insufficient_evidence"), result
     assert kills[0][1] is not None, "the first run was not killed during rollouts"
     # The killed runs left a started cycle behind; the re-run opened and closed its own.
     from flywheel.config import load_config

@@ -72,9 +72,12 @@ def test_bfcl_traffic_to_evals_to_env_to_episodes(cfg, replay_file):
         assert summary.successes == N // 2
 
     built = _cli("evals", "build")
-    assert sum(built["created"].values()) == N  # 20 failures + 20 regression successes
-    assert built["splits"]["regression"] == N // 2
-    assert built["splits"].get("train", 0) + built["splits"].get("heldout", 0) + built["splits"].get("excluded", 0) == N // 2
+    assert sum(built["created"].values()) == N  # 20 failures + 20 successes
+    # Failures and successes are dealt by request cluster alike: train-side successes form the regression
+    # suite, held-out ones join the held-out suite (the keep rate).
+    assert sum(built["splits"].values()) == N
+    held = built["heldout"]
+    assert held["items"] == built["splits"]["heldout"] and held["failures"] + held["successes"] == held["items"]
     envs = _cli("envs", "build")
     assert envs["envs"][0]["env"] == "env:train@1"
 
@@ -87,12 +90,21 @@ def test_bfcl_traffic_to_evals_to_env_to_episodes(cfg, replay_file):
             ref = task["reference"]["tool_calls"]
             good = {"role": "assistant", "content": render_answer([ToolCall(c["name"], c["arguments"]) for c in ref])}
             assert verify_task(task, [*task["prompt"]["messages"], good]).passed, task["task_id"]
-            if st["split"] != "regression":
+            if st["metadata"]["origin_outcome"] == "failure":  # (held-out successes are not failures)
                 assert st["verifier"]["kind"] == "tool_call" and st["metadata"]["source"] == "bfcl"
                 bad = failures[st["origin_failure"]]["bad_answer"]
                 assert not verify_task(task, [*task["prompt"]["messages"], bad]).passed, task["task_id"]
+        sides: dict[str, dict[str, int]] = {"failure": {}, "success": {}}
+        for st in evals:
+            o = sides[st["metadata"]["origin_outcome"]]
+            o[st["split"]] = o.get(st["split"], 0) + 1
+        assert sum(sides["failure"].values()) == sum(sides["success"].values()) == N // 2
+        assert set(sides["failure"]) <= {"train", "heldout", "excluded"}
+        assert set(sides["success"]) <= {"regression", "heldout", "excluded"}
+        assert sides["success"].get("heldout", 0) == held["successes"]
         reg = load_suite(s, arts, "regression")
-        assert len(reg.tasks) == N // 2
+        assert len(reg.tasks) == built["splits"]["regression"]
+        assert all(t["metadata"]["origin_outcome"] == "success" for t in reg.tasks)
 
     listed = _cli("envs", "list")
     assert listed[0]["env"] == "env:train@1" and listed[0]["tasks"] == envs["envs"][0]["tasks"]

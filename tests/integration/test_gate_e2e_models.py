@@ -85,4 +85,10 @@ def test_full_and_adapter_versions_load_and_equal_weights_are_refused(cfg, store
     decision = run_gate(cfg, store, artifacts, tracker, v2)
     assert not decision.passed
     assert decision.numbers["diff"] == 0.0 and decision.numbers["losses"] == 0 and decision.numbers["wins"] == 0
-    assert [r.rule for r in decision.rules if not r.passed] == ["min_improvement"]
+    # Six held-out items are far below gate.min_paired_items: no decision; on enough items, refused.
+    assert decision.outcome == "insufficient_evidence"
+    assert [r.rule for r in decision.rules if not r.passed] == ["min_paired_items", "significance", "min_improvement"]
+    cfg.gate.min_paired_items = 6
+    decision = run_gate(cfg, store, artifacts, tracker, v2)
+    assert decision.outcome == "refused" and decision.numbers["p_value"] == 1.0
+    assert [r.rule for r in decision.rules if not r.passed] == ["significance", "min_improvement"]
