@@ -1,0 +1,117 @@
+"""How often does the demo's first cycle promote? The cpu profile's cycle 1, run with several seeds.
+
+The demo's wave 1 does not depend on the seed (the base model answers greedily), so it is replayed
+once; every seed then runs cycle 1 (synthesis, SFT warm start, GRPO, gate) on a copy of that home
+with `synth.seed`, `rollout.seed` and `train.seed` set to the seed, exactly as `flywheel demo --seed N`
+does. Printed per seed: the challenger's held-out pass rate against the base model's, the gate's
+outcome with its p-value, and the wall time. A refused run is reported like any other.
+
+    .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 2 3 4       # ~10 min per seed on 2 idle cores
+    .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 --json
+
+Measured figures: the README's "Demo" section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--workdir", help="keep the homes here (default: a temporary directory)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from flywheel.flows.cycle_env import prefect_environment
+
+    from flywheel import demo as d
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="demo-seeds-"))
+    base_home = work / "wave1"
+    for k, v in prefect_environment(base_home).items():
+        os.environ.setdefault(k, v)
+    from flywheel.flows.cycle import run_cycle
+
+    from flywheel.artifacts import open_artifacts
+    from flywheel.config import load_config
+    from flywheel.store import open_store
+    from flywheel.tracking import Tracker
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+
+    # Wave 1, once: the base model as champion, answering the profile's first wave through `flywheel serve`.
+    ov0 = d.demo_overrides(args.profile, base_home)
+    cfg0 = load_config(environ=environ, overrides=ov0)
+    if not (base_home / "inbox").is_dir() or not any((base_home / "inbox").iterdir()):
+        cfg0.ensure_home()
+        with open_store(cfg0) as store:
+            open_artifacts(cfg0)
+            d.ensure_champion(cfg0, store, Tracker(cfg0))
+        items = d.traffic_items(d.PROFILES[args.profile]["waves"][0])
+        log(f"wave 1: {len(items)} questions through the served base model …")
+        d.run_wave(cfg0, args.profile, 1, items, config_path=None, overrides=ov0, ui=d.SILENT)
+
+    rows: list[dict[str, Any]] = []
+    for seed in args.seeds:
+        home = work / f"seed-{seed}"
+        if home.exists():
+            shutil.rmtree(home)
+        ov = d.demo_overrides(args.profile, home, seed)
+        cfg = load_config(environ=environ, overrides=ov)
+        cfg.ensure_home()
+        # A fresh home with the same converted base model and wave 1's log in its inbox.
+        shutil.copytree(base_home / "models", home / "models")
+        shutil.copytree(base_home / "inbox", home / "inbox")
+        with open_store(cfg) as store:
+            open_artifacts(cfg)
+            d.ensure_champion(cfg, store, Tracker(cfg))
+        log(f"seed {seed}: cycle 1 …")
+        t0 = time.perf_counter()
+        result = run_cycle(cfg, overrides=ov)
+        wall = time.perf_counter() - t0
+        gate = (result.get("stages") or {}).get("gate") or {}
+        n = gate.get("numbers") or {}
+        rows.append({
+            "seed": seed, "outcome": result.get("outcome"), "gate": gate.get("outcome"),
+            "paired_items": n.get("paired_items"), "challenger_passed": n.get("challenger_passed"),
+            "champion_passed": n.get("champion_passed"), "challenger_rate": n.get("challenger_pass_rate"),
+            "champion_rate": n.get("champion_pass_rate"), "wins": n.get("wins"), "losses": n.get("losses"),
+            "p_value": n.get("p_value"), "wall_s": round(wall, 1), "timings": result.get("timings"),
+        })
+    promoted = sum(r["outcome"] == "promoted" for r in rows)
+    out = {"profile": args.profile, "load_average": os.getloadavg(), "runs": rows, "promoted": promoted,
+           "workdir": str(work)}
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    la = os.getloadavg()
+    print(f"demo cycle 1, {args.profile} profile, {len(rows)} seeds (load average {la[0]:.1f} on {os.cpu_count()} cores)")
+    for r in rows:
+        lift = (r["challenger_rate"] or 0) - (r["champion_rate"] or 0)
+        print(f"  seed {r['seed']}: challenger {r['challenger_passed']}/{r['paired_items']} = {r['challenger_rate']:.1%} vs "
+              f"base {r['champion_passed']}/{r['paired_items']} ({lift:+.1%}); {r['wins']} wins / {r['losses']} losses, "
+              f"p = {r['p_value']:.3g}; {r['outcome']} ({r['wall_s']:.0f} s)")
+    print(f"  promoted in {promoted} of {len(rows)} runs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
