@@ -199,6 +199,36 @@ def test_lineage_walks_down_to_traces_and_up_to_models(store):
         store.lineage("x", "sideways")
 
 
+def test_lineage_keeps_each_node_once_at_its_shortest_depth_through_diamonds_and_cycles(store):
+    """suite:train@1 is reached at depth 4 (through env:train@2) and at 6 (through synth:s1 and
+    env:train@1); failure:f1 and eval:e1 cause each other. Both backends walk breadth-first and expand
+    each node once."""
+    store.append("trace:t1", ev(1, ["ingest:b"]))
+    store.append("failure:f1", NewEvent("failure.classified", {}, ["trace:t1", "eval:e1"]))
+    store.append("eval:e1", NewEvent("eval.created", {}, ["failure:f1"]))
+    store.append("suite:train", NewEvent("suite.versioned", {"entity_id": "suite:train@1"}, ["eval:e1"]))
+    store.append("env:train", NewEvent("env.versioned", {"entity_id": "env:train@1"}, ["suite:train@1"]))
+    store.append("synth:s1", NewEvent("synth.batch_accepted", {"accepted": 1}, ["env:train@1"]))
+    store.append("env:train", NewEvent("env.versioned", {"entity_id": "env:train@2"}, ["suite:train@1", "synth:s1"]))
+    store.append("rollouts:r1", NewEvent("rollouts.published", {}, ["env:train@2"]))
+    store.append("run:1", NewEvent("training.completed", {}, ["rollouts:r1", "model:policy/1"]))
+    store.append("model:policy", NewEvent("model.registered", {"entity_id": "model:policy/2"}, ["run:1"]))
+    assert store.lineage("model:policy/2", "down") == [
+        ("run:1", 1), ("model:policy/1", 2), ("rollouts:r1", 2), ("env:train@2", 3), ("suite:train@1", 4),
+        ("synth:s1", 4), ("env:train@1", 5), ("eval:e1", 5), ("failure:f1", 6), ("trace:t1", 7), ("ingest:b", 8)]
+    assert store.lineage("trace:t1", "up") == [
+        ("failure:f1", 1), ("eval:e1", 2), ("suite:train@1", 3), ("env:train@1", 4), ("env:train@2", 4),
+        ("rollouts:r1", 5), ("synth:s1", 5), ("run:1", 6), ("model:policy/2", 7)]
+    assert store.lineage("model:policy/2", "down", max_depth=4) == [
+        ("run:1", 1), ("model:policy/1", 2), ("rollouts:r1", 2), ("env:train@2", 3), ("suite:train@1", 4),
+        ("synth:s1", 4)]
+    assert store.lineage("eval:e1", "down") == [("failure:f1", 1), ("trace:t1", 2), ("ingest:b", 3)]
+    assert store.lineage_edges("env:train@2", max_depth=2) == [
+        ("env:train@2", "suite:train@1"), ("env:train@2", "synth:s1"), ("suite:train@1", "eval:e1"),
+        ("synth:s1", "env:train@1")]
+    assert store.lineage("nobody:here", "down") == [] and store.lineage_edges("nobody:here") == []
+
+
 def test_rebuilt_projections_equal_incremental(store):
     _chain(store)
     store.append("trace:t1", [ev(5, ["ingest:c"]), ev(6, ["ingest:b"])])  # known stream, known edge
