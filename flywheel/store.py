@@ -64,6 +64,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flywheel.events import CATALOG, check_event
+from flywheel.store_index import HeadIndex
 
 if TYPE_CHECKING:
     from flywheel.config import FlywheelConfig
@@ -208,10 +209,21 @@ _PATH_LOCKS: dict[str, threading.RLock] = {}
 _PATH_LOCKS_GUARD = threading.Lock()
 
 
+_PATH_INDEXES: dict[str, HeadIndex] = {}
+
+
 def _path_lock(path: Path) -> threading.RLock:
     key = os.path.realpath(path)
     with _PATH_LOCKS_GUARD:
         return _PATH_LOCKS.setdefault(key, threading.RLock())
+
+
+def _path_index(path: Path) -> HeadIndex:
+    """The in-memory head index of this warehouse file in this process (flywheel.store_index), used
+    under the file's lock."""
+    key = os.path.realpath(path)
+    with _PATH_LOCKS_GUARD:
+        return _PATH_INDEXES.setdefault(key, HeadIndex())
 
 
 _LOCK_RE = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
@@ -242,20 +254,24 @@ def _split_sql(script: str) -> list[str]:
     return [s.strip() for s in body.split(";") if s.strip()]
 
 
-def events_table(stream: str, events: Sequence[NewEvent]) -> pa.Table:
-    """The Arrow batch (:data:`BATCH_SCHEMA`) of events for one stream, checked against the catalog."""
-    rows: dict[str, list[Any]] = {"stream": [], "type": [], "payload": [], "causation": []}
+def _checked_events(stream: str, events: Sequence[NewEvent]) -> list[tuple[str, str, list[str]]]:
+    """(type, canonical JSON payload, causation) of each event, checked against the catalog."""
+    out = []
     for i, ev in enumerate(events):
         check_event(ev.type, stream)
         try:
             body = canonical_json(ev.payload)
         except (TypeError, ValueError) as e:
             raise TypeError(f"event {i} ({ev.type} on {stream}): payload is not JSON-serialisable: {e}") from None
-        rows["stream"].append(stream)
-        rows["type"].append(ev.type)
-        rows["payload"].append(body)
-        rows["causation"].append([str(c) for c in ev.causation])
-    return pa.table(rows, schema=BATCH_SCHEMA)
+        out.append((ev.type, body, [str(c) for c in ev.causation]))
+    return out
+
+
+def events_table(stream: str, events: Sequence[NewEvent]) -> pa.Table:
+    """The Arrow batch (:data:`BATCH_SCHEMA`) of events for one stream, checked against the catalog."""
+    rows = _checked_events(stream, events)
+    return pa.table({"stream": [stream] * len(rows), "type": [r[0] for r in rows], "payload": [r[1] for r in rows],
+                     "causation": [r[2] for r in rows]}, schema=BATCH_SCHEMA)
 
 
 def normalise_batch(table: pa.Table, validated: bool) -> pa.Table:
@@ -335,7 +351,7 @@ def plan_append(
     return AppendPlan(fresh, versions)
 
 
-# Batches up to this many rows take the two-statement path of DuckDBEventStore._append_small.
+# Batches up to this many rows take the one-statement path of DuckDBEventStore._append_small.
 SMALL_APPEND = 64
 
 
@@ -356,6 +372,15 @@ def _lit(v: str | None) -> str:
     return "NULL" if v is None else "'" + v.replace("'", "''") + "'"
 
 
+def _small_row(stream: str, type_: str, payload: str, doc: Any, causation: list[str | None]) -> _SmallRow | None:
+    entity = doc.get("entity_id") if isinstance(doc, dict) else None
+    if entity is not None and not isinstance(entity, str):
+        return None
+    entity = entity or stream
+    return _SmallRow(stream, type_, payload, causation, compute_event_id(type_, stream, payload), entity,
+                     node_id(entity), [node_id(c) if c is not None else 0 for c in causation])
+
+
 def _small_rows(batch: pa.Table) -> list[_SmallRow] | None:
     """The rows of a small batch with their ids computed in Python; None when a row needs DuckDB's own
     reading (an ``entity_id`` that is not a string, or a payload that is not JSON: the Arrow path
@@ -366,14 +391,49 @@ def _small_rows(batch: pa.Table) -> list[_SmallRow] | None:
             doc = json.loads(payload)
         except ValueError:
             return None
-        entity = doc.get("entity_id") if isinstance(doc, dict) else None
-        if entity is not None and not isinstance(entity, str):
+        row = _small_row(stream, type_, payload, doc, list(causation or []))
+        if row is None:
             return None
-        entity = entity or stream
-        causation = list(causation or [])
-        out.append(_SmallRow(stream, type_, payload, causation, compute_event_id(type_, stream, payload), entity,
-                             node_id(entity), [node_id(c) if c is not None else 0 for c in causation]))
+        out.append(row)
     return out
+
+
+def small_rows_of(stream: str, events: Sequence[NewEvent]) -> list[_SmallRow] | None:
+    """:func:`_small_rows` of ``events_table(stream, events)`` without going through Arrow (the same
+    checks and errors); None when a row needs the Arrow path."""
+    out = []
+    for (type_, body, causation), ev in zip(_checked_events(stream, events), events, strict=True):
+        row = _small_row(stream, type_, body, ev.payload, causation)
+        if row is None:
+            return None
+        out.append(row)
+    return out
+
+
+def plan_small(rows: Sequence[_SmallRow], known: dict[str, tuple[int, set[str]]],
+               expected_versions: dict[str, int | None] | None) -> tuple[list[bool], list[int]]:
+    """:func:`plan_append` for a few rows, in plain Python: ``known`` maps each existing stream of the
+    batch to (its version, the batch's event ids it holds). Returns (fresh per row, version per fresh row)."""
+    seen: set[str] = set()
+    fresh = []
+    for r in rows:
+        held = known.get(r.stream)
+        keep = r.event_id not in seen and not (held is not None and r.event_id in held[1])
+        seen.add(r.event_id)
+        fresh.append(keep)
+    if not any(fresh):
+        return fresh, []
+    for stream, expected in (expected_versions or {}).items():
+        actual = known[stream][0] if stream in known else 0
+        if expected is not None and actual != expected:
+            raise ConcurrencyError(stream, expected, actual)
+    next_version = {st: v for st, (v, _) in known.items()}
+    versions = []
+    for r, keep in zip(rows, fresh, strict=True):
+        if keep:
+            next_version[r.stream] = next_version.get(r.stream, 0) + 1
+            versions.append(next_version[r.stream])
+    return fresh, versions
 
 
 def _unregister(con: duckdb.DuckDBPyConnection, name: str) -> None:
@@ -474,12 +534,18 @@ class EventStore:
         events = list(events)
         if not events:
             return AppendResult()
-        return self.append_batch(
-            events_table(stream, events),
-            correlation_id=correlation_id,
-            expected_versions={stream: expected_version} if expected_version is not None else None,
-            validated=True,
-        )
+        expected = {stream: expected_version} if expected_version is not None else None
+        if len(events) <= SMALL_APPEND:
+            res = self._append_small_events(stream, events, correlation_id, expected)
+            if res is not None:
+                return res
+        return self.append_batch(events_table(stream, events), correlation_id=correlation_id,
+                                 expected_versions=expected, validated=True)
+
+    def _append_small_events(self, stream: str, events: list[NewEvent], correlation_id: str | None,
+                             expected_versions: dict[str, int] | None) -> AppendResult | None:
+        """A backend's direct path for a few events of one stream (no Arrow); None: use append_batch."""
+        return None
 
     def append_batch(
         self,
@@ -560,6 +626,7 @@ class DuckDBEventStore(EventStore):
         if not read_only:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock = _path_lock(self.path)
+        self._index = _path_index(self.path)
         self._tls = threading.local()
         self._cursor_guard = threading.Lock()
         self._cursors: list[Any] = []
@@ -627,6 +694,8 @@ class DuckDBEventStore(EventStore):
             # cost ~0.4 s per 1M events. With 256 MiB the WAL replays in about a second after a crash.
             self.con.execute(f"SET checkpoint_threshold = '{CHECKPOINT_THRESHOLD}'")
             self._migrate()
+            with self._lock:  # another process may have appended while this one did not hold the file
+                self._index.reset()
             if self._serve:
                 from flywheel.store_share import Owner
 
@@ -855,6 +924,17 @@ class DuckDBEventStore(EventStore):
                 return res
         return self._append_local(batch, correlation_id, expected_versions)
 
+    def _append_small_events(self, stream: str, events: list[NewEvent], correlation_id: str | None,
+                             expected_versions: dict[str, int] | None) -> AppendResult | None:
+        self._check_open()
+        if self.read_only or self._remote is not None:
+            return None  # the refusal, or the owner, is append_batch's
+        rows = small_rows_of(stream, events)
+        if rows is None:
+            return None
+        with self._lock:
+            return self._append_small(self._writable(), rows, correlation_id, expected_versions)
+
     def _append_local(self, batch: pa.Table, correlation_id: str | None,
                       expected_versions: dict[str, int] | None) -> AppendResult:
         if batch.num_rows <= SMALL_APPEND:
@@ -867,7 +947,10 @@ class DuckDBEventStore(EventStore):
             con.register("_batch_in", batch)
             try:
                 with self.transaction():
-                    return self._append_locked(con, batch, correlation_id, expected_versions)
+                    res = self._append_locked(con, batch, correlation_id, expected_versions)
+                if res.last_seq is not None:
+                    self._index.head = res.last_seq  # the index catches up from the events when next used
+                return res
             except duckdb.ConversionException as e:
                 if "JSON" in str(e):
                     raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
@@ -878,61 +961,46 @@ class DuckDBEventStore(EventStore):
 
     def _append_small(self, con: duckdb.DuckDBPyConnection, rows: list[_SmallRow], correlation_id: str | None,
                       expected_versions: dict[str, int] | None) -> AppendResult:
-        """The append of a few events (what stages do between batches) in two statements: one lookup of
-        everything the plan needs, and one ``BEGIN; ...; COMMIT`` of the inserts as literals. Same
-        plan and projections as :meth:`_append_locked` (Arrow path), which costs ~10 queries (~30-60 ms
-        here) whatever the batch size."""
-        streams = sorted({r.stream for r in rows})
-        names = {r.entity: r.node for r in rows}
-        for r in rows:
-            names.update(zip(r.causation, r.parents, strict=True))
-        enodes = sorted({r.node for r in rows})
-        # IN-lists of literals, not parameters: DuckDB plans `IN (SELECT unnest($list))` as a join, and
-        # this lookup took 8.6 ms that way vs 5.5 ms with literals (load ~5, 2 cores).
-        ids = ", ".join(_lit(r.event_id) for r in rows)
-        sts = ", ".join(_lit(x) for x in streams)
-        nodes = ", ".join(str(n) for n in sorted(set(names.values())))
-        ens = ", ".join(str(n) for n in enodes)
-        found = con.execute(
-            f"""
-            SELECT 'seq' AS k, NULL::VARCHAR AS s, NULL::UBIGINT AS n, coalesce(max(seq), 0) AS v, NULL::VARCHAR[] AS ids,
-                   NULL::BIGINT[] AS nums, NULL::UBIGINT AS p FROM events
-            UNION ALL
-            SELECT 'stream', stream, NULL, max(stream_version), list(event_id) FILTER (WHERE event_id IN ({ids})), NULL, NULL
-            FROM events WHERE stream IN ({sts}) GROUP BY stream
-            UNION ALL
-            SELECT 'name', name, node, NULL, NULL, NULL, NULL FROM entity_names WHERE node IN ({nodes})
-            UNION ALL
-            SELECT 'entity', NULL, node, NULL, NULL, [first_seq, last_seq, n_events], NULL FROM entity_index
-            WHERE node IN ({ens})
-            UNION ALL
-            SELECT 'link', NULL, child, NULL, NULL, NULL, parent FROM lineage_links WHERE child IN ({ens})
-            """
-        ).fetchall()
-        base = next(v for k, _, _, v, _, _, _ in found if k == "seq")
-        known = [(st, v, ids or []) for k, st, _, v, ids, _, _ in found if k == "stream"]
-        old_names = [(n, st) for k, st, n, _, _, _, _ in found if k == "name"]
-        old_entities = {n: nums for k, _, n, _, _, nums, _ in found if k == "entity"}
-        old_links = {(n, p) for k, _, n, _, _, _, p in found if k == "link"}
-        plan = plan_append(pa.array([r.stream for r in rows], pa.string()), pa.array([r.event_id for r in rows], pa.string()),
-                           pa.array([k[0] for k in known], pa.string()), pa.array([k[1] for k in known], pa.int64()),
-                           pa.array([i for k in known for i in k[2]], pa.string()), expected_versions)
-        n_new = plan.n_new
+        """The append of a few events (what stages do between batches): planned from the in-memory
+        head index (:mod:`flywheel.store_index`: no scans), then one ``BEGIN; ...; COMMIT`` of the
+        inserts as literals. Same plan and projections as :meth:`_append_locked` (Arrow path), which
+        costs ~10 queries whatever the batch size."""
+        idx = self._index
+        base = idx.sync(con)
+        known = {}
+        for st in {r.stream for r in rows}:
+            v = idx.stream_version(st)
+            if v:
+                known[st] = (v, set(idx.recorded([r.event_id for r in rows if r.stream == st])))
+        keep, versions = plan_small(rows, known, expected_versions)
+        n_new = len(versions)
         result = AppendResult(appended=n_new, already_recorded=len(rows) - n_new)
         if n_new == 0:
             return result
-        new_names = {name: node for name, node in names.items() if name is not None}
-        EventStore._check_node_ids(pa.table({"name": list(new_names), "node": pa.array(list(new_names.values()), pa.uint64())}),
-                                   old_names)
-        known_nodes = {n for n, _ in old_names}
-        fresh = [r for r, keep in zip(rows, plan.fresh, strict=True) if keep]
+        names = {r.entity: r.node for r in rows}
+        for r in rows:
+            names.update((c, p) for c, p in zip(r.causation, r.parents, strict=True) if c is not None)
+        add: dict[str, int] = {}
+        for name, node in names.items():
+            state = idx.name_state(name, node)
+            if state == "new":
+                add[name] = node
+            elif state == "clash":
+                old = con.execute("SELECT node, name FROM entity_names WHERE node = ?", [node]).fetchall()
+                EventStore._check_node_ids(pa.table({"name": [name], "node": pa.array([node], pa.uint64())}), old)
+        if len(set(names.values())) != len(names):
+            EventStore._check_node_ids(pa.table({"name": list(names), "node": pa.array(list(names.values()), pa.uint64())}), [])
+        fresh = [r for r, k in zip(rows, keep, strict=True) if k]
         stmts = ["BEGIN TRANSACTION"]
         corr = _lit(correlation_id)
         values = []
         entities: dict[int, list[int]] = {}
         links: dict[tuple[int, int], int] = {}
-        for k, (r, version) in enumerate(zip(fresh, plan.versions.tolist(), strict=True)):
+        heads: dict[str, int] = {}
+        parents_of: dict[int, set[int]] = {}
+        for k, (r, version) in enumerate(zip(fresh, versions, strict=True)):
             seq = base + 1 + k
+            heads[r.stream] = version
             cause = "[" + ", ".join(_lit(c) for c in r.causation) + "]::VARCHAR[]"
             sv = CATALOG[r.type].schema_version if r.type in CATALOG else 1
             values.append(f"({seq}, '{r.event_id}', {_lit(r.stream)}, {version}, {_lit(r.type)}, {_lit(r.payload)}::JSON, "
@@ -940,12 +1008,15 @@ class DuckDBEventStore(EventStore):
             e = entities.setdefault(r.node, [seq, seq, 0])
             e[1], e[2] = seq, e[2] + 1
             for name, parent in zip(r.causation, r.parents, strict=True):
-                if name is not None and name != r.entity and (r.node, parent) not in old_links:
-                    links.setdefault((r.node, parent), seq)
+                if name is not None and name != r.entity:
+                    if r.node not in parents_of:
+                        parents_of[r.node] = idx.parents(r.node) if idx.entity_exists(r.node) else set()
+                    if parent not in parents_of[r.node]:
+                        links.setdefault((r.node, parent), seq)
+        old_entities = {n for n in entities if idx.entity_exists(n)}
         stmts.append("INSERT INTO events VALUES " + ", ".join(values))
-        add = sorted((node, name) for name, node in new_names.items() if node not in known_nodes)
         if add:
-            stmts.append("INSERT INTO entity_names VALUES " + ", ".join(f"({n}, {_lit(x)})" for n, x in add))
+            stmts.append("INSERT INTO entity_names VALUES " + ", ".join(f"({n}, {_lit(x)})" for x, n in sorted(add.items(), key=lambda i: i[1])))
         ins = [f"({n}, {a}, {b}, {c})" for n, (a, b, c) in entities.items() if n not in old_entities]
         if ins:
             stmts.append("INSERT INTO entity_index VALUES " + ", ".join(ins))
@@ -967,6 +1038,7 @@ class DuckDBEventStore(EventStore):
             raise
         result.first_seq, result.last_seq = base + 1, base + n_new
         result.event_ids = [r.event_id for r in fresh]
+        idx.record(base + n_new, heads, result.event_ids, add, [n for n in entities if n not in old_entities], links)
         return result
 
     def _append_locked(
@@ -1143,10 +1215,12 @@ class DuckDBEventStore(EventStore):
             res = self._call_remote(lambda c: c.call("rebuild"))
             if res is not None:
                 return res
-        with self._lock, self.transaction() as con:
-            for t in ("entity_index", "lineage_links", "entity_names"):
-                con.execute(f"DELETE FROM {t}")
-            self._project(con, 0)
+        with self._lock:
+            self._index.reset()  # it mirrors the projections, which are about to be replaced
+            with self.transaction() as con:
+                for t in ("entity_index", "lineage_links", "entity_names"):
+                    con.execute(f"DELETE FROM {t}")
+                self._project(con, 0)
         return self.projection_counts()
 
     def check_integrity(self) -> list[str]:

@@ -54,6 +54,7 @@ import hashlib
 import json
 import os
 import queue
+import random
 import sys
 import threading
 import time
@@ -78,8 +79,12 @@ from flywheel.store import BATCH_SCHEMA, ConcurrencyError, canonical_json
 from flywheel.tool_registry import ToolRegistryError, load_registry
 
 MAX_TRACE_IDS = 100
-# Tries of one batch's commit when other writers keep appending to its streams meanwhile.
-COMMIT_ATTEMPTS = 5
+# Tries of one batch's commit when other writers keep appending to its streams meanwhile, with a
+# randomised, growing pause between tries (up to COMMIT_BACKOFF_S * 2**attempt): without it a writer that
+# reaches the store through the owner's socket kept losing the race to the owner's own faster appends
+# (two ingests of the same failure: 5 of 5 tries lost in ~1 run of 5).
+COMMIT_ATTEMPTS = 10
+COMMIT_BACKOFF_S = 0.01
 # Failure states kept in memory between batches (a few KB each: ~50-100 MB at the bound).
 FAILURE_STATE_CACHE = 20_000
 # Files at least this large are prepared in a worker process (flywheel.ingest.worker) instead of a
@@ -285,6 +290,7 @@ class _Committer:
                 self._failure_states.clear()
                 if attempt == COMMIT_ATTEMPTS - 1:
                     raise
+                time.sleep(random.uniform(0, COMMIT_BACKOFF_S * 2 ** min(attempt, 6)))
 
     def _commit(self, b: Batch, ingest_id: str, file_sha: str, *, causation: list[str],
                 quarantine_stream: str | None, quarantine_payload_extra: dict[str, Any] | None = None) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from flywheel.store import (
     BATCH_SCHEMA,
+    SMALL_APPEND,
     ConcurrencyError,
     EventStore,
     InvalidEventError,
@@ -196,6 +197,36 @@ def test_lineage_walks_down_to_traces_and_up_to_models(store):
     assert ("failure:f1", "trace:t1") in edges and ("trace:t1", "ingest:b") in edges
     with pytest.raises(ValueError):
         store.lineage("x", "sideways")
+
+
+def test_lineage_keeps_each_node_once_at_its_shortest_depth_through_diamonds_and_cycles(store):
+    """suite:train@1 is reached at depth 4 (through env:train@2) and at 6 (through synth:s1 and
+    env:train@1); failure:f1 and eval:e1 cause each other. Both backends walk breadth-first and expand
+    each node once."""
+    store.append("trace:t1", ev(1, ["ingest:b"]))
+    store.append("failure:f1", NewEvent("failure.classified", {}, ["trace:t1", "eval:e1"]))
+    store.append("eval:e1", NewEvent("eval.created", {}, ["failure:f1"]))
+    store.append("suite:train", NewEvent("suite.versioned", {"entity_id": "suite:train@1"}, ["eval:e1"]))
+    store.append("env:train", NewEvent("env.versioned", {"entity_id": "env:train@1"}, ["suite:train@1"]))
+    store.append("synth:s1", NewEvent("synth.batch_accepted", {"accepted": 1}, ["env:train@1"]))
+    store.append("env:train", NewEvent("env.versioned", {"entity_id": "env:train@2"}, ["suite:train@1", "synth:s1"]))
+    store.append("rollouts:r1", NewEvent("rollouts.published", {}, ["env:train@2"]))
+    store.append("run:1", NewEvent("training.completed", {}, ["rollouts:r1", "model:policy/1"]))
+    store.append("model:policy", NewEvent("model.registered", {"entity_id": "model:policy/2"}, ["run:1"]))
+    assert store.lineage("model:policy/2", "down") == [
+        ("run:1", 1), ("model:policy/1", 2), ("rollouts:r1", 2), ("env:train@2", 3), ("suite:train@1", 4),
+        ("synth:s1", 4), ("env:train@1", 5), ("eval:e1", 5), ("failure:f1", 6), ("trace:t1", 7), ("ingest:b", 8)]
+    assert store.lineage("trace:t1", "up") == [
+        ("failure:f1", 1), ("eval:e1", 2), ("suite:train@1", 3), ("env:train@1", 4), ("env:train@2", 4),
+        ("rollouts:r1", 5), ("synth:s1", 5), ("run:1", 6), ("model:policy/2", 7)]
+    assert store.lineage("model:policy/2", "down", max_depth=4) == [
+        ("run:1", 1), ("model:policy/1", 2), ("rollouts:r1", 2), ("env:train@2", 3), ("suite:train@1", 4),
+        ("synth:s1", 4)]
+    assert store.lineage("eval:e1", "down") == [("failure:f1", 1), ("trace:t1", 2), ("ingest:b", 3)]
+    assert store.lineage_edges("env:train@2", max_depth=2) == [
+        ("env:train@2", "suite:train@1"), ("env:train@2", "synth:s1"), ("suite:train@1", "eval:e1"),
+        ("synth:s1", "env:train@1")]
+    assert store.lineage("nobody:here", "down") == [] and store.lineage_edges("nobody:here") == []
 
 
 def test_rebuilt_projections_equal_incremental(store):
@@ -426,3 +457,92 @@ def test_stage_queries_answer_the_same_on_both_backends(store):
     assert [e for e, _ in store.trace_states("success")] == ["trace:ok"]
     assert [e for e, _ in store.trace_states("failure")] == ["trace:bad", "trace:bad2"]
     assert store.failure_kinds_by_day() == [("2026-01-03", "json", 2), ("2026-01-03", "tool_call", 1)]
+
+
+# -- small appends planned from the embedded store's in-memory head index -------------------------------
+def test_small_and_bulk_appends_interleaved_on_the_same_streams_keep_the_contract(store):
+    """A small append after bulk appends (which the embedded store's head index learns by reading the
+    events it has not seen) numbers, deduplicates and links exactly as a fresh look at the store would."""
+    store.append("trace:a", ev(1, ["ingest:b1"]))  # small: the index is built here
+    filler = [(f"trace:f{k}", "trace.ingested", {"i": k}, ["ingest:b2"]) for k in range(SMALL_APPEND)]
+    r = store.append_batch(batch([("trace:a", "trace.ingested", {"i": 2, "model": "m"}, ["ingest:b2"]),
+                                  ("trace:b", "trace.ingested", {"i": 1, "model": "m"}, ["ingest:b2"]), *filler]))
+    assert r.last_seq == 3 + SMALL_APPEND  # more rows than a small append: the Arrow path
+    r = store.append("trace:a", [ev(2), ev(3, ["ingest:b1", "ingest:b2", "ingest:b3"])], expected_version=2)
+    assert (r.appended, r.already_recorded, r.first_seq) == (1, 1, 4 + SMALL_APPEND)  # i=2 came with the batch
+    with pytest.raises(ConcurrencyError):
+        store.append("trace:b", ev(9), expected_version=0)  # the batch created it
+    assert store.append("trace:b", ev(1)).is_noop  # recorded by the batch
+    assert store.append("trace:b", ev(2), expected_version=1).first_seq == 5 + SMALL_APPEND
+    assert store.lineage_edges("trace:a") == [("trace:a", "ingest:b1"), ("trace:a", "ingest:b2"), ("trace:a", "ingest:b3")]
+    assert store.entity("trace:a")["n_events"] == 3
+    assert store.check_integrity() == []
+    incremental = store.projection_rows()
+    store.rebuild_projections()
+    assert store.projection_rows() == incremental
+    assert store.append("trace:a", ev(4, ["ingest:b3"])).first_seq == 6 + SMALL_APPEND  # after a rebuild
+    assert store.check_integrity() == []
+
+
+_APPEND_ELSEWHERE = textwrap.dedent(
+    """
+    import sys
+    from flywheel.store import EventStore, NewEvent
+    with EventStore(sys.argv[1]) as s:
+        s.append("trace:a", NewEvent("trace.ingested", {"i": 2, "model": "m"}, ["ingest:other"]))
+        s.append("trace:z", NewEvent("trace.ingested", {"i": 1, "model": "m"}, ["ingest:other"]))
+    """
+)
+
+
+def test_reopened_warehouse_plans_small_appends_from_what_another_process_wrote(tmp_path):
+    """The head index lives in the process that owns the file: when this process reopens the file
+    after another one appended, it starts afresh (no stale versions, no events recorded twice)."""
+    path = tmp_path / "w.duckdb"
+    with EventStore(path) as s:
+        s.append("trace:a", ev(1, ["ingest:mine"]))
+    subprocess.run([sys.executable, "-c", _APPEND_ELSEWHERE, str(path)], check=True, timeout=120)
+    with EventStore(path) as s:
+        assert s.append("trace:a", ev(2, ["ingest:other"])).is_noop
+        r = s.append("trace:a", ev(3, ["ingest:other"]), expected_version=2)
+        assert (r.first_seq, s.stream_version("trace:a")) == (4, 3)
+        assert s.append("trace:z", ev(5), expected_version=1).first_seq == 5
+        assert s.check_integrity() == []
+        assert len(s.con.execute("SELECT * FROM entity_names WHERE name = 'ingest:other'").fetchall()) == 1
+
+
+def test_small_append_refuses_a_name_whose_node_id_an_other_name_holds(tmp_path):
+    """The index knows each name by its node id and 128 bits of its SHA-256: a different name under a
+    recorded node id (a 64-bit collision, fabricated here) is refused with both names."""
+    from flywheel.store import node_id
+
+    path = tmp_path / "w.duckdb"
+    with EventStore(path) as s:
+        s.append("trace:a", ev(1))
+        s.con.execute("INSERT INTO entity_names VALUES (?, 'ingest:impostor')", [node_id("ingest:b1")])
+    with EventStore(path) as s:
+        with pytest.raises(StoreError, match="'ingest:b1' and 'ingest:impostor'|'ingest:impostor' and 'ingest:b1'"):
+            s.append("trace:b", ev(1, ["ingest:b1"]))
+        assert s.last_seq() == 1
+
+
+def test_head_index_runs_merge_keeping_every_row_and_the_newest_stream_version():
+    import numpy as np
+
+    from flywheel.store_index import KeyRuns
+
+    runs = KeyRuns(2, latest=True)
+    for version in range(1, 6000):  # past the dict's size: frozen into runs, then merged
+        runs.add(7, (1, version))
+        runs.add(version * 1000, (2, 1))
+    runs.add_many(np.array([7, 7, 3], dtype=np.uint64), np.array([[1, 6000], [9, 1], [1, 1]], dtype=np.uint64))
+    for _ in range(10):
+        runs.add_many(np.array([5], dtype=np.uint64), np.array([[1, 1]], dtype=np.uint64))
+    assert max(v for d, v in runs.get(7) if d == 1) == 6000 and (9, 1) in runs.get(7)
+    assert runs.get(3) == [(1, 1)] and runs.get(5000) == [(2, 1)] and runs.get(4) == []
+    assert len(runs.keys) <= 9 and len(runs) < 2 * 6000 + 20  # merged, older versions of key 7 dropped
+    links = KeyRuns(1)
+    for _ in range(3):
+        links.add_many(np.arange(1000, dtype=np.uint64), np.ones((1000, 1), dtype=np.uint64))
+    links._merge()
+    assert len(links) == 1000 and links.get(999) == [(1,)]  # identical rows kept once
