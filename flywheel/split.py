@@ -59,9 +59,6 @@ Not guaranteed
 from __future__ import annotations
 
 import functools
-import hashlib
-import re
-import unicodedata
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -69,43 +66,29 @@ from typing import Any
 
 from datasketch import MinHash, MinHashLSH
 
+from flywheel.vocab.ids import digest, short_id
+from flywheel.vocab.kinds import SPLITS
+from flywheel.vocab.messages import text_of
+from flywheel.vocab.text import request_words
+from flywheel.vocab.tools import tool_name
+
 #: Bump when :func:`request_text` changes. Placements already recorded keep their split regardless.
 #: 1: system + user turns + tool names in one text; 2: user turns only, tool names a separate feature.
 REQUEST_TEXT_VERSION = 2
 NUM_PERM = 128
 SHINGLE = 5
-SPLITS = ("train", "heldout", "excluded")
 #: Two requests can share a cluster only when their tool-name sets overlap at least this much
 #: (Jaccard), or neither offers tools: the same words put to a different agent are another request.
 TOOL_JACCARD = 0.5
 
-_NON_ALNUM = re.compile(r"[\W_]+", re.UNICODE)
+#: NFKC, casefold, non-alphanumeric runs -> one space (:func:`flywheel.vocab.text.request_words`).
+normalise = request_words
 
 
 def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return str(content)
-
-
-def _tool_name(tool: Any) -> str:
-    if isinstance(tool, dict):
-        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-        return str(fn.get("name", ""))
-    return ""
-
-
-def normalise(text: str) -> str:
-    """NFKC, casefold, non-alphanumeric runs -> one space, trimmed.
-
-    ``"Weather in Porto, please!"`` -> ``"weather in porto please"``.
-    """
-    text = unicodedata.normalize("NFKC", text).casefold()
-    return _NON_ALNUM.sub(" ", text).strip()
+    # Frozen by the request hashes in eval.created events: parts joined with " ", and the text of
+    # every object part as a string (a part without text adds "", a number adds "5").
+    return text_of(content, sep=" ", nonstring_text="stringify")
 
 
 def request_text(messages: Iterable[dict], tools: Iterable[dict] | None = None) -> str:
@@ -124,7 +107,7 @@ def request_text(messages: Iterable[dict], tools: Iterable[dict] | None = None) 
 
 def tool_names(tools: Iterable[dict] | None) -> tuple[str, ...]:
     """Sorted, normalised names of the offered tools."""
-    return tuple(sorted({normalise(_tool_name(t)) for t in (tools or [])} - {""}))
+    return tuple(sorted({normalise(tool_name(t)) for t in (tools or [])} - {""}))
 
 
 def request_key(messages: Iterable[dict], tools: Iterable[dict] | None = None) -> tuple[str, tuple[str, ...]]:
@@ -136,7 +119,7 @@ def request_key(messages: Iterable[dict], tools: Iterable[dict] | None = None) -
 def request_hash(text: str, tools: tuple[str, ...] = ()) -> str:
     """SHA-256 of the request text and its tool names (exact-duplicate key)."""
     body = text if not tools else text + "\x1f" + "\x1f".join(tools)
-    return hashlib.sha256(body.encode()).hexdigest()
+    return digest(body)
 
 
 def _tools_compatible(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
@@ -179,7 +162,7 @@ def signature(text: str, num_perm: int = NUM_PERM) -> MinHash:
 
 def deal(cluster: str, seed: str, heldout_fraction: float) -> str:
     """Train or held-out for a *new* cluster: a salted hash, uniform in [0, 1)."""
-    u = int(hashlib.sha256(f"{seed}\x1f{cluster}".encode()).hexdigest()[:16], 16) / 2**64
+    u = int(short_id(f"{seed}\x1f{cluster}"), 16) / 2**64
     return "heldout" if u < heldout_fraction else "train"
 
 

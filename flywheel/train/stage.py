@@ -22,7 +22,6 @@ sources (SFT: eval/synth/trace ids) plus the base model's entity id (``model:<na
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -35,9 +34,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from flywheel.store import canonical_json
 from flywheel.tracking import DatasetSpec
 from flywheel.train.sft import Demonstration
+from flywheel.vocab.ids import canonical_json, json_id
 
 ADAPTER_MARKER = "adapter_config.json"
 
@@ -237,7 +236,7 @@ def demonstrations_dataset(demos: Sequence[Demonstration], sources: Sequence[str
              "answer": canonical_json([[c.name, c.arguments] for c in d.answer_calls] if d.answer_calls
                                       else d.answer_content)} for d in demos]
     schema = pa.schema([(k, pa.string()) for k in ("source_entity_id", "split", "messages", "tools", "answer")])
-    digest = hashlib.sha256(canonical_json(rows).encode()).hexdigest()[:16]
+    digest = json_id(rows)
     return DatasetSpec(f"demonstrations@{digest}", "demonstrations", digest, len(rows), schema=schema,
                        source={"entity_ids": list(sources)[:200], "entities": len(sources)})
 

@@ -26,8 +26,42 @@ from make_identity_fixture import other_ids, record  # noqa: E402
 
 DOC = json.loads((FIXTURE / "identities.json").read_text())
 
+_MISSING_CITY = "get_weather: missing required argument 'city'"
+_HASH = "aa7ebed530f01ce9a0a3aeb7d5670aa84b959618d99c322f323b7a01c97a2fd6"  # "weather in oslo" + get weather
+
+
+def _task(eid: str, sha: str) -> dict:
+    return {"task_id": eid, "request_hash": _HASH, "verifier_kind": "tool_call", "sha256": sha}
+
+
 #: trace id -> the fields whose recorded value changed on purpose, with the new value.
-ARGUMENTS_RULE_CHANGES: dict[str, dict] = {}
+ARGUMENTS_RULE_CHANGES: dict[str, dict] = {
+    # (i) arguments "" / "   " are {} (as the verifier always read them): no longer invalid_json; the
+    # schema check then finds the required argument missing.
+    "args-0": {"kinds": ["missing_required_arg"], "details": [_MISSING_CITY],
+               "task": _task("eval:7ba3942dfdb1aece", "6e26c2c1028709d9133c7bd730399aa3bdf81e641c925f0e3a8ce98e988f6223")},
+    "args-1": {"kinds": ["missing_required_arg"], "details": [_MISSING_CITY],
+               "task": _task("eval:65b33ce41b64c3f4", "e4746b62799868afe29acf2c472ec9c971a151bffd14e8086eef5dc8dcbe73cf")},
+    "args-corr-empty": {"kinds": ["missing_required_arg"],
+                        "details": [_MISSING_CITY, "get_weather: missing argument 'city' (correction)"],
+                        "task": _task("eval:7ba3942dfdb1aece",
+                                      "b25e7cff6d1d5d2659ebb2102a668d682b0a00bb0c8beab536bd162c1a470da9")},
+    # (ii) arguments "null" are {}: before, classification skipped every check of that call ('other',
+    # no eval); now its required arguments are checked.
+    "args-2": {"kinds": ["missing_required_arg"], "details": [_MISSING_CITY],
+               "task": _task("eval:15c49f1ea3294858", "20eeea8370893b82ef0e01df46a3b623de45cad1d8aae8a1fff46324a963e174")},
+    # (iii) a successful trace whose recorded call has "null" arguments compiles to a regression eval
+    # (it was skipped as 'unparseable').
+    "ok-args-1": {"task": _task("eval:c4f86bfe59e0fdee", "5dfd52602d0a9af5bf90bee623378c8ce81fc03d8b2b7c7705b2e96c353588dc")},
+    # (iv) a recorded call with NaN arguments is refused when compiled (before, it compiled into a
+    # record the event store cannot hold, and the whole evals build crashed on appending it).
+    "ok-args-2": {"task": {"skip": "trace:ok-args-2: a recorded call has unparseable arguments"}},
+    # A flat tool_calls entry ({"name", "arguments"} without "function") is read as the verifier
+    # reads it; ingest validation refuses such entries, so no stored trace has one.
+    "tools-flat-call": {"kinds": ["wrong_arg_value"], "details": ["get_weather: argument 'city'='Bergen' not in ['Oslo']"],
+                        "task": _task("eval:ec08a68e37c45f03",
+                                      "64c5c065728ca2e76839c1ac8cfce93fb94bbe91684e0f744d0a0e0588640f1d")},
+}
 
 #: Fields that are identities: never allowed to change, whatever the trace.
 IDENTITY_FIELDS = ("trace_id", "request_hash", "failed", "failure_id", "content_hash", "eval_id")
