@@ -105,7 +105,8 @@ class EvalsConfig(_Section):
         "assignments are recorded in events and never move.",
     )
     cluster_jaccard: float = Field(
-        0.7, gt=0.0, le=1.0, description="MinHash Jaccard threshold for two failures to share a cluster."
+        0.7, gt=0.0, le=1.0, description="Jaccard of the character 5-gram sets of two requests' user text at which "
+        "they share a cluster (MinHash LSH proposes candidates, the exact Jaccard decides)."
     )
     include_llm_judge_in_gate: bool = Field(
         False, description="Let non-deterministic llm_judge evals count in gate decisions."
