@@ -16,7 +16,7 @@ held-out tasks. Texts are built from the BFCL questions installed with ``bfcl-ev
 Both methods use the same shingles (word bigrams of :func:`flywheel.dedup.normalize_text`), 128
 permutations and 32 bands x 4 rows, and the same threshold (0.6). datasketch confirms each LSH
 candidate with its MinHash estimate (``MinHash.jaccard``, how datasketch is normally used and how
-``flywheel.split`` uses it); flywheel.dedup confirms with the exact Jaccard of the shingle sets.
+``flywheel.split`` used it before it moved onto flywheel.dedup); flywheel.dedup confirms with the exact Jaccard of the shingle sets.
 
 Reported per method: wall time (index + query), peak RSS of a fresh worker process (and its growth
 over the loaded data), recall on the planted near-duplicates (the source task among the matches;

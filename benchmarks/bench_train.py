@@ -26,6 +26,7 @@ import time
 def run_one(kind: str, lora_r: int, impl: str, steps: int, home: str) -> dict:
     import torch
 
+    from flywheel.config import TrainConfig
     from flywheel.policy.models import load_model
     from flywheel.train.data import TrainSample
     from flywheel.train.trainer import Trainer, TrainerOptions
@@ -39,8 +40,8 @@ def run_one(kind: str, lora_r: int, impl: str, steps: int, home: str) -> dict:
                     advantage=float(i % 2) - 0.5, sampler_logprobs=[-5.0] * 64, group_id=str(i // 4))
         for i in range(8)
     ]
-    tr = Trainer(model, TrainerOptions(objective="dapo", lr=1e-5, lora_r=lora_r, logprob_impl=impl,
-                                       micro_batch_tokens=1024, total_steps=steps + 1, warmup_steps=0))
+    tr = Trainer(model, TrainerOptions(objective="dapo", lr=1e-5, total_steps=steps + 1, train=TrainConfig(
+        lora_r=lora_r, logprob_impl=impl, micro_batch_tokens=1024, warmup_steps=0)))
     tr.step(samples)  # warm-up step (allocations, lazy imports) not timed
     t0, tokens = time.perf_counter(), 0
     for _ in range(steps):

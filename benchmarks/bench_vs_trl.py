@@ -272,6 +272,7 @@ def run_flywheel(spec: BenchSpec, ro: Rollouts) -> dict[str, Any]:
     """``warmup_steps + steps`` optimizer steps of ``flywheel.train.trainer.Trainer`` on ``ro``."""
     import torch
 
+    from flywheel.config import TrainConfig
     from flywheel.policy.models import load_model
     from flywheel.train.advantages import compute_advantages
     from flywheel.train.data import TrainSample
@@ -287,10 +288,10 @@ def run_flywheel(spec: BenchSpec, ro: Rollouts) -> dict[str, Any]:
         for i, c in enumerate(ro.completion_ids)
     ]
     opts = TrainerOptions(
-        objective="dapo", lr=spec.lr, total_steps=spec.warmup_steps + spec.steps, warmup_steps=0, weight_decay=0.0,
-        grad_clip=1.0, micro_batch_tokens=spec.micro_batch * ro.longest, packing=False,
-        gradient_checkpointing=spec.gradient_checkpointing, lora_r=spec.lora_r, lora_alpha=2 * spec.lora_r,
-        logprob_impl="fused", log_entropy=True, pad_id=int(tok.pad_token_id),
+        objective="dapo", lr=spec.lr, total_steps=spec.warmup_steps + spec.steps, pad_id=int(tok.pad_token_id),
+        train=TrainConfig(warmup_steps=0, weight_decay=0.0, grad_clip=1.0, micro_batch_tokens=spec.micro_batch * ro.longest,
+                          packing=False, gradient_checkpointing=spec.gradient_checkpointing, lora_r=spec.lora_r,
+                          lora_alpha=max(1, 2 * spec.lora_r), logprob_impl="fused", log_entropy=True),
     )
     tr = Trainer(model, opts)
     mem = TrainPhaseMemory()

@@ -34,6 +34,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flywheel.vocab.ids import sha256_file
+
 _CHUNK = 1 << 20
 log = logging.getLogger(__name__)
 
@@ -63,14 +65,6 @@ class ArtifactRef:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ArtifactRef:
         return cls(sha256=d["sha256"], ext=d.get("ext", "parquet"), size=d.get("size", 0), rows=d.get("rows"))
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -4,8 +4,11 @@ The *bad answer* is the last assistant message of the trace. Kinds (a trace may 
 in :data:`FAILURE_KINDS` order):
 
 ``invalid_json``
-    a tool call's ``function.arguments`` is not a JSON object, or call-shaped text in the answer does
-    not parse (the shared parser :func:`flywheel.verifiers.parse_tool_calls` reports an error).
+    a tool call's ``function.arguments`` break the one arguments rule (invalid JSON, JSON that is not
+    an object, a non-finite number; empty and ``null`` arguments are ``{}``:
+    :func:`flywheel.vocab.toolcalls.decode_arguments`, the verifier's rule), or call-shaped text in
+    the answer does not parse (the shared parser :func:`flywheel.vocab.parse_tool_calls` reports an
+    error).
 ``unknown_tool``
     a call names a function that is not in ``tools`` (BFCL's ``math_factorial`` for ``math.factorial``
     is accepted, as the verifier does). A tool the trace marks as recorded without a schema
@@ -47,7 +50,6 @@ its trace (ingest quarantines any record whose classification still raises, as `
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,22 +57,22 @@ from typing import Any
 import orjson
 
 from flywheel.tool_registry import undeclared_names
+from flywheel.verifiers.matching import values_equal
+from flywheel.vocab.ids import digest
+from flywheel.vocab.kinds import FAILURE_KINDS
+from flywheel.vocab.messages import last_index, text_of
+from flywheel.vocab.text import failure_text
+from flywheel.vocab.toolcalls import decode_tool_calls, parse_tool_calls
+from flywheel.vocab.tools import call_function, function_of
 
-FAILURE_KINDS = (
-    "invalid_json",
-    "unknown_tool",
-    "missing_required_arg",
-    "wrong_arg_type",
-    "wrong_arg_value",
-    "no_tool_call",
-    "extra_tool_call",
-    "test_failure",
-    "runtime_exception",
-    "negative_feedback",
-    "other",
-)
+__all__ = ["FAILURE_KINDS", "Call", "Classification", "classify", "could_hold_a_call", "extract_calls",
+           "failure_identity", "normalise_text", "tool_schemas"]
+
 _KIND_ORDER = {k: i for i, k in enumerate(FAILURE_KINDS)}
 _EXCEPTION = re.compile(r"Traceback \(most recent call last\)|\b(?!AssertionError\b)[A-Z][A-Za-z0-9_]*(?:Error|Exception)\b")
+
+#: The unit of failure identity (:func:`flywheel.vocab.text.failure_text`), under its historical name.
+normalise_text = failure_text
 
 
 @dataclass
@@ -90,23 +92,6 @@ class Classification:
     calls: list[Call] = field(default_factory=list)
 
 
-def last_assistant_index(messages: list[dict[str, Any]]) -> int | None:
-    for i in range(len(messages) - 1, -1, -1):
-        if messages[i].get("role") == "assistant":
-            return i
-    return None
-
-
-def content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return str(content)
-
-
 def could_hold_a_call(text: str) -> bool:
     """False only when :func:`flywheel.verifiers.parse_tool_calls` is sure to find neither calls nor
     a call-shaped error in ``text``, so it need not run (it compiles the text with ``ast``: ~40 µs
@@ -123,32 +108,24 @@ def could_hold_a_call(text: str) -> bool:
 def extract_calls(message: dict[str, Any] | None, has_tools: bool) -> tuple[list[Call], list[str]]:
     """Calls of an assistant message and the problems met parsing them (``invalid_json`` evidence).
 
-    OpenAI ``tool_calls`` are read call by call (one malformed call does not hide the others); without
-    them, text content is read with the shared parser when the trace declares tools.
+    OpenAI ``tool_calls`` are read call by call with the one arguments rule
+    (:func:`flywheel.vocab.toolcalls.decode_tool_calls`: empty or ``null`` arguments are ``{}``), so
+    one malformed call does not hide the others; without them, text content is read with the shared
+    parser when the trace declares tools.
     """
     if message is None:
         return [], []
     tcs = message.get("tool_calls")
     if tcs:
         calls, problems = [], []
-        for j, tc in enumerate(tcs):
-            fn = tc.get("function") or {}
-            raw = fn.get("arguments")
-            try:
-                args = orjson.loads(raw) if isinstance(raw, str) else raw
-            except orjson.JSONDecodeError as e:
-                problems.append(f"tool_calls[{j}] {fn.get('name')}: arguments are not valid JSON ({e})")
-                args = None
-            if args is not None and not isinstance(args, dict):
-                problems.append(f"tool_calls[{j}] {fn.get('name')}: arguments are a JSON {type(args).__name__}, not an object")
-                args = None
-            calls.append(Call(str(fn.get("name")), args, raw if isinstance(raw, str) else None))
+        for j, dc in enumerate(decode_tool_calls(tcs)):
+            if dc.error:
+                problems.append(f"tool_calls[{j}] {dc.name}: {dc.error}")
+            calls.append(Call(dc.name, dc.arguments, dc.raw))
         return calls, problems
-    text = content_text(message.get("content"))
+    text = text_of(message.get("content"))
     if not has_tools or not text.strip() or not could_hold_a_call(text):
         return [], []
-    from flywheel.verifiers.toolcalls import parse_tool_calls
-
     res = parse_tool_calls(text)
     if res.calls:
         return [Call(c.name, dict(c.arguments)) for c in res.calls], []
@@ -187,10 +164,12 @@ def _type_ok(value: Any, schema: Any) -> bool:
 
 
 def tool_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{name: parameters schema}`` of the declared tools (nameless specs left out; a function
+    without parameters gets an open object schema)."""
     out = {}
     for t in tools or ():
-        fn = t.get("function", t) if isinstance(t, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+        fn = function_of(t)
+        if fn is not None and isinstance(fn.get("name"), str):
             params = fn.get("parameters")
             out[fn["name"]] = params if isinstance(params, dict) else {"type": "object", "properties": {}}
     return out
@@ -230,8 +209,6 @@ def _check_against_schema(call: Call, schema: dict[str, Any], kinds: set[str], d
 def _check_against_correction(
     calls: list[Call], expected: list[dict[str, Any]], schemas: dict[str, Any], kinds: set[str], details: list[str]
 ) -> None:
-    from flywheel.verifiers.matching import values_equal
-
     if not calls:
         if expected:
             kinds.add("no_tool_call")
@@ -289,7 +266,7 @@ def classify(trace: dict[str, Any]) -> Classification:
     negative = bool(feedback) and isinstance(feedback.get("score"), int | float) and feedback["score"] < 0
     failed = outcome.get("status") == "failure" or negative
     messages = trace.get("messages") or []
-    idx = last_assistant_index(messages)
+    idx = last_index(messages, "assistant")
     tools = trace.get("tools") or []
     if not failed:
         return Classification(False)
@@ -336,14 +313,6 @@ def classify(trace: dict[str, Any]) -> Classification:
     return Classification(True, sorted(kinds, key=_KIND_ORDER.__getitem__), details[:20], calls)
 
 
-def normalise_text(s: str) -> str:
-    """Case-folded, whitespace-collapsed text: the unit of failure identity.
-
-    ``" ".join(s.split())`` equals ``re.sub(r"\s+", " ", s).strip()`` (both split on
-    ``str.isspace`` characters) and is ~3x faster on short strings."""
-    return " ".join(s.split()).casefold()
-
-
 _TOOLS_NORMALISED: dict[bytes, str] = {}
 _TOOLS_CACHE_MAX = 4096
 
@@ -366,16 +335,18 @@ def failure_identity(trace: dict[str, Any]) -> tuple[str, str]:
     The content is the tools (canonical JSON), every user message, and the bad answer (its text and
     its tool calls as name + raw arguments), each normalised with :func:`normalise_text`. Distinct
     traces with the same content are one failure. Timestamps, ids, model and metadata are excluded.
+    Frozen (failure ids are recorded): the content reader's default rule, :func:`failure_text`, the
+    ``\x1e`` join, and each call as ``name(raw arguments)`` of its nested ``function`` only.
     """
     messages = trace.get("messages") or []
-    idx = last_assistant_index(messages)
+    idx = last_index(messages, "assistant")
     bad = messages[idx] if idx is not None else {}
     parts = [_normalised_tools(trace.get("tools"))]
-    parts += [normalise_text(content_text(m.get("content")))
+    parts += [failure_text(text_of(m.get("content")))
               for m in messages[: idx if idx is not None else len(messages)] if m.get("role") == "user"]
-    parts.append(normalise_text(content_text(bad.get("content"))))
+    parts.append(failure_text(text_of(bad.get("content"))))
     for tc in bad.get("tool_calls") or ():
-        fn = tc.get("function") or {}
-        parts.append(normalise_text(f"{fn.get('name')}({fn.get('arguments')})"))
-    h = hashlib.sha256("\x1e".join(parts).encode()).hexdigest()
+        fn = call_function(tc, flat=False)
+        parts.append(failure_text(f"{fn.get('name')}({fn.get('arguments')})"))
+    h = digest("\x1e".join(parts))
     return f"failure:{h[:16]}", h

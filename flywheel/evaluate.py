@@ -32,7 +32,6 @@ that error and excluded from pass rates here and from both sides of the gate's c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +42,7 @@ from typing import Any
 import pyarrow as pa
 
 from flywheel.store import NewEvent
+from flywheel.vocab.ids import SHORT_HEX, canonical_json, digest, short_id
 
 ITEM_SCHEMA = pa.schema(
     [
@@ -101,7 +101,7 @@ class ModelRef:
         if self.version is not None:
             return f"{self.name}/{self.version}"
         tail = Path(self.spec or "").name or "model"
-        return f"base/{tail}-{hashlib.sha256((self.spec or '').encode()).hexdigest()[:8]}"
+        return f"base/{tail}-{short_id(self.spec or '', SHORT_HEX)}"
 
     @property
     def entity_id(self) -> str | None:
@@ -248,7 +248,7 @@ def decoding_for(gate_cfg: Any) -> dict[str, Any]:
 
 
 def evaluation_id_for(model: ModelRef, suite_id: str, decoding: Mapping[str, Any]) -> str:
-    h = hashlib.sha256(json.dumps(dict(decoding), sort_keys=True).encode()).hexdigest()[:8]
+    h = short_id(json.dumps(dict(decoding), sort_keys=True), SHORT_HEX)  # default separators: frozen
     return f"evaluation:{model.key}@{suite_id.removeprefix('suite:')}#{h}"
 
 
@@ -307,11 +307,10 @@ def item_row(task: Any, episodes: Sequence[Any]) -> dict[str, Any]:
 
 def task_hash(task: Any) -> str:
     """SHA-256 of the canonical JSON of a task record (what decides an item's result with the model)."""
-    from flywheel.store import canonical_json
 
     body = dict(task) if isinstance(task, Mapping) else {k: _get(task, k) for k in ("task_id", "prompt", "verifier",
                                                                                    "harness", "tool_env", "reference")}
-    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+    return digest(canonical_json(body))
 
 
 def _reusable_rows(store: Any, artifacts: Any, ref: ModelRef, decoding: Mapping[str, Any]) -> tuple[dict[tuple[str, str], dict[str, Any]], list[str]]:

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flywheel.vocab.refs import ENTITY_KINDS, entity_kind
+
+__all__ = ["CATALOG", "ENTITY_KINDS", "EventType", "UnknownEventType", "check_event", "entity_kind"]
+
 
 @dataclass(frozen=True)
 class EventType:
@@ -45,29 +49,8 @@ CATALOG: dict[str, EventType] = {
         EventType("adapter.loaded", "serve", "an API call to a running server (adapter files by sha256)"),
         EventType("adapter.unloaded", "serve", "an API call, or the served base model changing"),
         EventType("cycle.started", "cycle", "schedule or user"),
-        EventType("cycle.stage_completed", "cycle", "the stage's outputs"),
         EventType("cycle.completed", "cycle", "the stage outputs"),
     ]
-}
-
-#: Entity kinds (the prefix of an entity id) and what they name.
-ENTITY_KINDS = {
-    "trace": "a production trace",
-    "quarantine": "an ingest batch's quarantined records",
-    "ingest": "an ingest batch",
-    "failure": "a distinct failure (deduplicated across traces)",
-    "eval": "an eval case",
-    "suite": "a versioned eval suite, suite:<name>@<version>",
-    "env": "a versioned environment, env:<name>@<version>",
-    "synth": "a synthetic task batch",
-    "rollouts": "a rollout dataset",
-    "run": "a training run",
-    "model": "a model version, model:<name>/<version>",
-    "evaluation": "an evaluation of a model version on a suite version",
-    "gate": "a gate decision",
-    "deploy": "a deployment history stream",
-    "serve": "the runtime adapter history of a served model, serve:<model name>",
-    "cycle": "one run of the flywheel cycle",
 }
 
 
@@ -81,13 +64,8 @@ def check_event(type_: str, stream: str) -> EventType:
         et = CATALOG[type_]
     except KeyError:
         raise UnknownEventType(f"event type {type_!r} is not in the catalog (flywheel/events.py)") from None
-    prefix = stream.split(":", 1)[0]
-    if prefix != et.stream_prefix:
+    if entity_kind(stream) != et.stream_prefix:
         raise UnknownEventType(
             f"event {type_!r} belongs on a '{et.stream_prefix}:' stream, not {stream!r}"
         )
     return et
-
-
-def entity_kind(entity_id: str) -> str:
-    return entity_id.split(":", 1)[0]

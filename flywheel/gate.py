@@ -51,7 +51,6 @@ the challenger is better *on this suite version* at the stated confidence.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -71,6 +70,7 @@ from flywheel.stats import (
     sign_test,
 )
 from flywheel.tracking import DatasetSpec
+from flywheel.vocab.ids import GATE_HEX, short_id
 
 
 class GateError(RuntimeError):
@@ -619,7 +619,7 @@ def _clean(x: Any) -> Any:
 def gate_id_for(inputs: Mapping[str, Any]) -> str:
     """Deterministic gate id from the decision's inputs: re-running the same gate is a no-op."""
     body = json.dumps(_clean(dict(inputs)), sort_keys=True, separators=(",", ":"), default=str)
-    return "gate:" + hashlib.sha256(body.encode()).hexdigest()[:20]
+    return "gate:" + short_id(body, GATE_HEX)
 
 
 _HEADLINE = {"passed": "PASSED", "refused": "REFUSED", "insufficient_evidence": "INSUFFICIENT EVIDENCE"}

@@ -26,7 +26,6 @@ Guarantees
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -37,7 +36,8 @@ from typing import Any
 import pyarrow as pa
 
 from flywheel.deploy import reconcile_champion
-from flywheel.store import NewEvent, canonical_json
+from flywheel.store import NewEvent
+from flywheel.vocab.ids import content_id, digest, short_id
 
 
 class RolloutError(RuntimeError):
@@ -137,8 +137,7 @@ def _base(cfg: Any, spec: str | None = None) -> ResolvedPolicy:
 
 
 def rollout_id_for(env_id: str, policy_ref: str, params: dict[str, Any]) -> str:
-    h = hashlib.sha256(canonical_json({"env": env_id, "policy": policy_ref, "params": params}).encode())
-    return f"rollouts:{h.hexdigest()[:16]}"
+    return content_id("rollouts", {"env": env_id, "policy": policy_ref, "params": params})
 
 
 def _group_stats(rewards: list[float], passed: list[bool], ok: list[bool]) -> tuple[bool, bool]:
@@ -166,7 +165,7 @@ def episodes_to_table(
     infra = untrainable = 0
     for task, eps in zip(tasks, groups, strict=True):
         n_groups += 1
-        group_id = hashlib.sha256(f"{env_id}|{task['task_id']}".encode()).hexdigest()[:16]
+        group_id = short_id(f"{env_id}|{task['task_id']}")
         rewards = [float(e.verdict.reward) for e in eps]
         passed = [bool(e.verdict.passed) for e in eps]
         ok = [e.verdict.ok_for_training for e in eps]
@@ -279,7 +278,7 @@ def run_rollouts(
     tasks = list(env_obj.tasks)
     if cap is not None:
         # A stable, content-based subset: the same env version always yields the same tasks.
-        tasks = sorted(tasks, key=lambda t: hashlib.sha256(f"{rc.seed}|{t['task_id']}".encode()).hexdigest())[:cap]
+        tasks = sorted(tasks, key=lambda t: digest(f"{rc.seed}|{t['task_id']}"))[:cap]
     if not tasks:
         raise RolloutError(f"environment {env_obj.entity_id} has no tasks")
     params_dict = {

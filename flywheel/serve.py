@@ -705,7 +705,7 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
             message: dict[str, Any] = {"role": "assistant", "content": s.text}
             finish = s.finish_reason
             if parse_calls:
-                from flywheel.verifiers.toolcalls import parse_tool_calls
+                from flywheel.vocab.toolcalls import parse_tool_calls
 
                 parsed = parse_tool_calls(s.text)
                 if parsed.calls and not parsed.error:

@@ -21,11 +21,11 @@ How a request is placed (:meth:`SplitIndex.assign`):
 
 1. **Exact match**: the SHA-256 of the text and the sorted tool names (``request_hash``) equal to a
    placed request's -> the same cluster.
-2. **Near match**: MinHash (128 permutations over character 5-grams, datasketch) with LSH candidate
-   search at a *lower* threshold than ``cluster_jaccard`` (recall first), then every candidate is
-   confirmed by its estimated Jaccard >= ``cluster_jaccard`` and by its tool names. Character
-   5-grams rather than word shingles because production requests are short ("Weather in Oslo?" has
-   3 words but 12 5-grams).
+2. **Near match**: the project's near-duplicate engine (:class:`flywheel.dedup.NearDupIndex` in its
+   character mode: MinHash, 128 permutations over character 5-grams, banded LSH) proposes
+   candidates, and every candidate is confirmed by the **exact** Jaccard of the two 5-gram sets
+   >= ``cluster_jaccard`` and by its tool names. Character 5-grams rather than word shingles because
+   production requests are short ("Weather in Oslo?" has 3 words but 12 5-grams).
 3. No match -> a **new cluster**, named ``c-<request_hash[:16]>`` after its founding member, dealt
    to held-out when ``sha256(split_seed, cluster) / 2**64 < heldout_fraction``, else train. The deal
    depends only on the cluster name and the seed, never on how much traffic exists or its order.
@@ -44,9 +44,13 @@ Guarantees
   near-matches (rule 4).
 
 Not guaranteed
-- Near matches are estimated: two requests whose true 5-gram Jaccard is within ~0.1 of the
-  threshold may or may not be joined (MinHash standard error with 128 permutations is about
-  ``sqrt(J(1-J)/128)`` ~ 0.04 at J = 0.7).
+- Candidates come from LSH (32 bands of 4 rows): a pair at exactly the threshold (J = 0.7) is proposed
+  with probability 1 - (1 - 0.7**4)**32 = 0.9998, at J = 0.8 with 1 - 1e-9; a missed pair is treated
+  as not near. Shingles are 32-bit hashes: a collision (probability ~2**-32 per pair of distinct
+  5-grams) can only raise a Jaccard.
+- Placements recorded before the engine confirmed candidates by the exact Jaccard (the earlier
+  engine used datasketch's *estimate*, standard error ~0.04 at J = 0.7) keep their side; only new
+  requests are placed by the exact rule (``tests/unit/test_split_migration.py`` lists what changed).
 - Clusters do not merge retroactively: if A and C were placed apart and a later B is close to both,
   A and C stay where they were (B is then excluded when they are on different sides).
 - Semantic paraphrases with little surface overlap are not detected (no embeddings here), and
@@ -58,54 +62,36 @@ Not guaranteed
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import re
-import unicodedata
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from datasketch import MinHash, MinHashLSH
+import numpy as np
+
+from flywheel.dedup import NearDupIndex, char_shingles
+from flywheel.vocab.ids import digest, short_id
+from flywheel.vocab.kinds import SPLITS
+from flywheel.vocab.messages import text_of
+from flywheel.vocab.text import request_words
+from flywheel.vocab.tools import tool_name
 
 #: Bump when :func:`request_text` changes. Placements already recorded keep their split regardless.
 #: 1: system + user turns + tool names in one text; 2: user turns only, tool names a separate feature.
 REQUEST_TEXT_VERSION = 2
 NUM_PERM = 128
 SHINGLE = 5
-SPLITS = ("train", "heldout", "excluded")
 #: Two requests can share a cluster only when their tool-name sets overlap at least this much
 #: (Jaccard), or neither offers tools: the same words put to a different agent are another request.
 TOOL_JACCARD = 0.5
 
-_NON_ALNUM = re.compile(r"[\W_]+", re.UNICODE)
+#: NFKC, casefold, non-alphanumeric runs -> one space (:func:`flywheel.vocab.text.request_words`).
+normalise = request_words
 
 
 def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return str(content)
-
-
-def _tool_name(tool: Any) -> str:
-    if isinstance(tool, dict):
-        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
-        return str(fn.get("name", ""))
-    return ""
-
-
-def normalise(text: str) -> str:
-    """NFKC, casefold, non-alphanumeric runs -> one space, trimmed.
-
-    ``"Weather in Porto, please!"`` -> ``"weather in porto please"``.
-    """
-    text = unicodedata.normalize("NFKC", text).casefold()
-    return _NON_ALNUM.sub(" ", text).strip()
+    # Frozen by the request hashes in eval.created events: parts joined with " ", and the text of
+    # every object part as a string (a part without text adds "", a number adds "5").
+    return text_of(content, sep=" ", nonstring_text="stringify")
 
 
 def request_text(messages: Iterable[dict], tools: Iterable[dict] | None = None) -> str:
@@ -124,7 +110,7 @@ def request_text(messages: Iterable[dict], tools: Iterable[dict] | None = None) 
 
 def tool_names(tools: Iterable[dict] | None) -> tuple[str, ...]:
     """Sorted, normalised names of the offered tools."""
-    return tuple(sorted({normalise(_tool_name(t)) for t in (tools or [])} - {""}))
+    return tuple(sorted({normalise(tool_name(t)) for t in (tools or [])} - {""}))
 
 
 def request_key(messages: Iterable[dict], tools: Iterable[dict] | None = None) -> tuple[str, tuple[str, ...]]:
@@ -136,7 +122,7 @@ def request_key(messages: Iterable[dict], tools: Iterable[dict] | None = None) -
 def request_hash(text: str, tools: tuple[str, ...] = ()) -> str:
     """SHA-256 of the request text and its tool names (exact-duplicate key)."""
     body = text if not tools else text + "\x1f" + "\x1f".join(tools)
-    return hashlib.sha256(body.encode()).hexdigest()
+    return digest(body)
 
 
 def _tools_compatible(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
@@ -148,38 +134,18 @@ def _tools_compatible(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
 
 def shingles(text: str, k: int = SHINGLE) -> set[str]:
     """Character k-grams of ``text``; a text shorter than ``k`` is its own single shingle."""
-    if len(text) <= k:
-        return {text}
-    return {text[i : i + k] for i in range(len(text) - k + 1)}
+    return char_shingles(text, k)
 
 
-def _crc32(data: bytes) -> int:
-    return zlib.crc32(data)
-
-
-@functools.lru_cache(maxsize=8)
-def _permutations(num_perm: int) -> Any:
-    # Drawing the permutation parameters costs ~0.9 ms per MinHash; they depend only on the seed.
-    proto = MinHash(num_perm=num_perm, seed=1, scheme="affine32")
-    return proto.permutations
-
-
-def signature(text: str, num_perm: int = NUM_PERM) -> MinHash:
-    """MinHash of the 5-gram set of ``text``. Deterministic across processes and runs.
-
-    Shingles are hashed with CRC-32 (C speed; 32 bits is datasketch's default width too) rather
-    than datasketch's SHA-1 default: ~3x faster per shingle. Signatures are never stored (placements
-    are), so the hash can change without moving any recorded split.
-    """
-    m = MinHash(num_perm=num_perm, seed=1, hashfunc=_crc32, permutations=_permutations(num_perm),
-                scheme="affine32")
-    m.update_batch([s.encode() for s in shingles(text)])
-    return m
+def jaccard(a: str, b: str) -> float:
+    """Exact Jaccard of the 5-gram sets of two request texts (what :meth:`SplitIndex.near` confirms)."""
+    sa, sb = shingles(a), shingles(b)
+    return len(sa & sb) / len(sa | sb)
 
 
 def deal(cluster: str, seed: str, heldout_fraction: float) -> str:
     """Train or held-out for a *new* cluster: a salted hash, uniform in [0, 1)."""
-    u = int(hashlib.sha256(f"{seed}\x1f{cluster}".encode()).hexdigest()[:16], 16) / 2**64
+    u = int(short_id(f"{seed}\x1f{cluster}"), 16) / 2**64
     return "heldout" if u < heldout_fraction else "train"
 
 
@@ -212,20 +178,38 @@ class SplitIndex:
     def __post_init__(self) -> None:
         if not 0.0 < self.jaccard <= 1.0:
             raise ValueError(f"cluster jaccard must be in (0, 1], got {self.jaccard}")
-        # Candidate search below the acceptance threshold: LSH banding misses true pairs near its
-        # threshold (the S-curve), so search at J - 0.2 and confirm each candidate exactly.
-        self._lsh = MinHashLSH(threshold=max(0.1, self.jaccard - 0.2), num_perm=self.num_perm)
-        self._sigs: dict[str, MinHash] = {}
+        # Two tiers, so that placing requests one by one stays linear: the recorded placements are
+        # indexed in bulk (one sort of the band tables), and the requests placed since sit in a dict of
+        # band keys (a numpy index would re-sort every table after each add).
+        self._bulk = NearDupIndex(self.jaccard, num_perm=self.num_perm, shingle="char", k=SHINGLE)
+        self._queued: list[tuple[str, str]] = []  # recorded (key, text) not yet in the bulk index
+        self._bands: dict[tuple[int, int], list[str]] = {}  # (band, key) -> keys placed after the bulk
+        self._sets: dict[str, np.ndarray] = {}  # their shingle hashes, for the exact Jaccard
         self._tools: dict[str, tuple[str, ...]] = {}
         self._by_hash: dict[str, str] = {}  # request_hash -> key of its first placement
 
-    def _index(self, key: str, text: str, tools: tuple[str, ...], placement: Placement) -> None:
+    def _hashed(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        values, offsets = self._bulk.hasher.shingle_hashes([text])
+        return values, offsets, self._bulk.hasher.signatures_from_hashes(values, offsets)
+
+    def _flush(self) -> None:
+        if self._queued:
+            keys = [k for k, _ in self._queued]
+            self._bulk.add(keys, [t for _, t in self._queued])
+            self._queued = []
+
+    def _index(self, key: str, text: str, tools: tuple[str, ...], placement: Placement, *, bulk: bool,
+               hashed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         self.placements[key] = placement
         self._by_hash.setdefault(placement.request_hash, key)
-        sig = signature(text, self.num_perm)
-        self._sigs[key] = sig
         self._tools[key] = tools
-        self._lsh.insert(key, sig)
+        if bulk and not self._sets:
+            self._queued.append((key, text))
+            return
+        values, _, sig = hashed or self._hashed(text)
+        self._sets[key] = values
+        for band, bk in enumerate(self._bulk.lsh.band_keys(sig)[0].tolist()):
+            self._bands.setdefault((band, bk), []).append(key)
 
     def add_existing(self, key: str, text: str, cluster: str, split: str, tools: tuple[str, ...] = ()) -> Placement:
         """Record a placement made by an earlier build. It is never changed."""
@@ -234,20 +218,29 @@ class SplitIndex:
         if key in self.placements:
             return self.placements[key]
         p = Placement(key, cluster, split, request_hash(text, tools), new=False)
-        self._index(key, text, tools, p)
+        self._index(key, text, tools, p, bulk=True)
         return p
 
     def near(self, text: str, tools: tuple[str, ...] = ()) -> list[tuple[float, str]]:
-        """Placed keys whose estimated Jaccard with ``text`` is >= the threshold and whose tool names
-        are compatible (:data:`TOOL_JACCARD`), best first."""
-        if not self._sigs:
-            return []
-        sig = signature(text, self.num_perm)
-        hits = []
-        for key in self._lsh.query(sig):
-            j = sig.jaccard(self._sigs[key])
-            if j >= self.jaccard and _tools_compatible(tools, self._tools[key]):
-                hits.append((j, key))
+        """Placed keys whose exact 5-gram Jaccard with ``text`` is >= the threshold and whose tool
+        names are compatible (:data:`TOOL_JACCARD`), best first (ties by key)."""
+        return self._near(self._hashed(text), tools)
+
+    def _near(self, hashed: tuple[np.ndarray, np.ndarray, np.ndarray], tools: tuple[str, ...]) -> list[tuple[float, str]]:
+        self._flush()
+        values, offsets, sig = hashed
+        found = {m.key: m.jaccard for m in self._bulk.query_hashed(values, offsets)[0]}
+        seen: set[str] = set()
+        for band, bk in enumerate(self._bulk.lsh.band_keys(sig)[0].tolist()):
+            for key in self._bands.get((band, bk), ()):
+                if key not in seen:
+                    seen.add(key)
+                    other = self._sets[key]
+                    inter = len(np.intersect1d(values, other, assume_unique=True))
+                    j = inter / (len(values) + len(other) - inter)
+                    if j >= self.jaccard:
+                        found[key] = j
+        hits = [(j, k) for k, j in found.items() if _tools_compatible(tools, self._tools[k])]
         hits.sort(key=lambda h: (-h[0], h[1]))
         return hits
 
@@ -260,9 +253,10 @@ class SplitIndex:
         if h in self._by_hash:
             twin = self.placements[self._by_hash[h]]
             p = Placement(key, twin.cluster, twin.split, h, new=True, matched=(twin.cluster,))
-            self._index(key, text, tools, p)
+            self._index(key, text, tools, p, bulk=False)
             return p
-        hits = self.near(text, tools)
+        hashed = self._hashed(text)
+        hits = self._near(hashed, tools)
         clusters: dict[str, str] = {}
         for _, k in hits:  # best first: the first cluster seen is the closest one
             clusters.setdefault(self.placements[k].cluster, self.placements[k].split)
@@ -280,5 +274,5 @@ class SplitIndex:
                 p = Placement(key, f"c-{h[:16]}", "excluded", h, new=True, matched=tuple(clusters))
             else:
                 p = Placement(key, cluster, side, h, new=True, matched=tuple(clusters))
-        self._index(key, text, tools, p)
+        self._index(key, text, tools, p, bulk=False, hashed=hashed)
         return p

@@ -87,7 +87,6 @@ Mitte"); detection of paraphrases with little word overlap unless the semantic c
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import random
@@ -106,7 +105,10 @@ from flywheel.dedup import (
     normalize_text,
     tokens,
 )
-from flywheel.store import EventStore, NewEvent, canonical_json
+from flywheel.store import EventStore, NewEvent
+from flywheel.vocab.ids import canonical_json, json_id
+from flywheel.vocab.messages import last_index, text_of
+from flywheel.vocab.tools import function_of, tool_name
 
 __all__ = [
     "GENERATORS",
@@ -143,23 +145,10 @@ Progress = Callable[[str, int, int], None]
 
 
 # ================================================================================ helpers
-def _h(obj: Any, n: int = 16) -> str:
-    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:n]
-
-
-def _fn(tool: dict) -> dict:
-    return tool["function"] if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
-
-
-def _tool_name(tool: dict) -> str:
-    return str(_fn(tool).get("name", ""))
-
-
 def _content(m: dict) -> str:
-    c = m.get("content")
-    if isinstance(c, list):
-        return " ".join(str(p.get("text", "")) for p in c if isinstance(p, dict))
-    return "" if c is None else str(c)
+    # The split's reading of content (parts joined with " "): variants rewrite the user text in this
+    # form, and synth task ids hash the rewritten prompt.
+    return text_of(m.get("content"), sep=" ", nonstring_text="stringify")
 
 
 def request_text(task: dict) -> str:
@@ -176,7 +165,7 @@ def request_text(task: dict) -> str:
 
 def tool_key(task: dict) -> str:
     """Sorted names of the offered tools: a different tool menu is a different task."""
-    return ",".join(sorted(_tool_name(t) for t in (task.get("prompt") or {}).get("tools") or []))
+    return ",".join(sorted(tool_name(t) for t in (task.get("prompt") or {}).get("tools") or []))
 
 
 def _canon_value(v: Any) -> Any:
@@ -213,11 +202,7 @@ def answer_key(task: dict) -> str | None:
 
 def synth_task_id(task: dict) -> str:
     """``synth:<16 hex>``: a hash of what the model sees and how it is graded (not the metadata)."""
-    return "synth:" + _h({k: task.get(k) for k in ("prompt", "verifier", "harness", "tool_env", "reference")})
-
-
-def _last_user_index(messages: list[dict]) -> int | None:
-    return max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=None)
+    return "synth:" + json_id({k: task.get(k) for k in ("prompt", "verifier", "harness", "tool_env", "reference")})
 
 
 def _is_one_of(v: Any) -> bool:
@@ -303,7 +288,7 @@ def build_context(seeds: list[dict], *, policy: Any = None, seed: int = 0) -> Ge
     values: dict[str, set[str]] = {}
     for s in seeds:
         for t in (s.get("prompt") or {}).get("tools") or []:
-            tool_pool.setdefault(_tool_name(t), t)
+            tool_pool.setdefault(tool_name(t), t)
         for c in (s.get("reference") or {}).get("tool_calls") or []:
             for p, v in (c.get("arguments") or {}).items():
                 if isinstance(v, str) and 2 <= len(v) <= 60:
@@ -337,7 +322,7 @@ def _new_task(seed: dict, *, messages: list[dict], tools: list[dict], expected: 
         "generator": generator,
         "generator_params": params,
         "synth_detail": detail,
-        "tools": sorted({_tool_name(t) for t in tools} - {""}),
+        "tools": sorted({tool_name(t) for t in tools} - {""}),
         "request_hash": request_hash(*request_key(messages, tools)),
         "synth_version": SYNTH_VERSION,
     })
@@ -514,7 +499,7 @@ def _new_string(param: str, v: str, schema: dict, text: str, rng: random.Random,
 
 def _schema_of(tools: list[dict], call_name: str, param: str) -> dict | None:
     for t in tools:
-        fn = _fn(t)
+        fn = function_of(t) or {}
         if fn.get("name") == call_name:
             props = (fn.get("parameters") or {}).get("properties") or {}
             s = props.get(param)
@@ -525,7 +510,7 @@ def _schema_of(tools: list[dict], call_name: str, param: str) -> dict | None:
 def _mutation_plan(seed: dict) -> list[dict]:
     """Arguments of the reference that the request states exactly once, unambiguously."""
     msgs = seed["prompt"]["messages"]
-    ui = _last_user_index(msgs)
+    ui = last_index(msgs, "user")
     if ui is None:
         return []
     text = _content(msgs[ui])
@@ -566,7 +551,7 @@ def mutate_task(seed: dict, rng: random.Random, ctx: GenContext, *, max_args: in
     if not plan:
         return None
     msgs = copy.deepcopy(seed["prompt"]["messages"])
-    ui = _last_user_index(msgs)
+    ui = last_index(msgs, "user")
     text = _content(msgs[ui])
     rng.shuffle(plan)
     chosen = plan[: rng.randint(1, min(max_args, len(plan)))]
@@ -624,7 +609,7 @@ class MutateGenerator(Generator):
 
 # -------------------------------------------------------------------------------- distractor
 def _words(tool: dict) -> set[str]:
-    fn = _fn(tool)
+    fn = function_of(tool) or {}
     return set(tokens(str(fn.get("name", "")).replace(".", " ").replace("_", " ") + " " + str(fn.get("description", ""))))
 
 
@@ -636,7 +621,7 @@ class DistractorGenerator(Generator):
 
     def one(self, seed: dict, k: int, rng: random.Random, ctx: GenContext) -> Candidate | None:
         tools = seed["prompt"]["tools"]
-        names = {_tool_name(t) for t in tools}
+        names = {tool_name(t) for t in tools}
         # BFCL matching maps "a_b" to tool "a.b" when unambiguous: a distractor must not create a
         # second spelling of a task tool's name.
         spellings = names | {n.replace(".", "_") for n in names}
@@ -695,10 +680,10 @@ class ParallelGenerator(Generator):
                 return m.task, "self"
         others = [s for s in ctx.seeds if s["task_id"] != seed["task_id"] and _tool_call_seed(s)]
         rng.shuffle(others)
-        mine = {_tool_name(t): canonical_json(t) for t in seed["prompt"]["tools"]}
+        mine = {tool_name(t): canonical_json(t) for t in seed["prompt"]["tools"]}
         sys_a = [m for m in seed["prompt"]["messages"] if m.get("role") == "system"]
         for o in others[:16]:
-            theirs = {_tool_name(t): canonical_json(t) for t in o["prompt"]["tools"]}
+            theirs = {tool_name(t): canonical_json(t) for t in o["prompt"]["tools"]}
             if any(n in mine and mine[n] != s for n, s in theirs.items()):
                 continue  # same name, different spec: cannot offer both
             sys_b = [m for m in o["prompt"]["messages"] if m.get("role") == "system"]
@@ -720,16 +705,16 @@ class ParallelGenerator(Generator):
         if n_calls > self.params["max_calls"]:
             return None
         msgs = copy.deepcopy(seed["prompt"]["messages"])
-        ui = _last_user_index(msgs)
-        b_text = _content(other["prompt"]["messages"][_last_user_index(other["prompt"]["messages"])])
+        ui = last_index(msgs, "user")
+        b_text = _content(other["prompt"]["messages"][last_index(other["prompt"]["messages"], "user")])
         template = rng.choice(_JOINS)
         msgs[ui] = {**msgs[ui], "content": _join(_content(msgs[ui]), b_text, template)}
         tools = copy.deepcopy(list(seed["prompt"]["tools"]))
-        have = {_tool_name(t) for t in tools}
+        have = {tool_name(t) for t in tools}
         for t in other["prompt"]["tools"]:
-            if _tool_name(t) not in have:
+            if tool_name(t) not in have:
                 tools.append(copy.deepcopy(t))
-                have.add(_tool_name(t))
+                have.add(tool_name(t))
         expected = copy.deepcopy(seed["verifier"]["expected"]) + copy.deepcopy(other["verifier"]["expected"])
         reference = {"tool_calls": copy.deepcopy(seed["reference"]["tool_calls"]) + copy.deepcopy(other["reference"]["tool_calls"])}
         partner_seed = other["metadata"].get("seed_task", other["task_id"])
@@ -799,17 +784,17 @@ class ParaphraseGenerator(Generator):
             return out
         prompts = []
         for _, s, k, _ in todo:
-            text = _content(s["prompt"]["messages"][_last_user_index(s["prompt"]["messages"])])
+            text = _content(s["prompt"]["messages"][last_index(s["prompt"]["messages"], "user")])
             prompts.append([{"role": "system", "content": PARAPHRASE_SYSTEM},
                             {"role": "user", "content": f"Rewrite this request (variant {k + 1}):\n{text}"}])
         # One seed per call keeps samples reproducible whatever the batch composition.
-        seed_val = int(_h([ctx.seed, self.params], 8), 16)
+        seed_val = int(json_id([ctx.seed, self.params], 8), 16)
         params = SamplingParams(n=1, temperature=self.params["temperature"], max_new_tokens=self.params["max_new_tokens"],
                                 seed=seed_val)
         samples = ctx.policy.generate(prompts, params)
         for (i, s, _k, _), sample_list in zip(todo, samples, strict=True):
             msgs = copy.deepcopy(s["prompt"]["messages"])
-            ui = _last_user_index(msgs)
+            ui = last_index(msgs, "user")
             original = _content(msgs[ui])
             new = _clean_paraphrase(sample_list[0].text if sample_list else "")
             problems = []
@@ -864,11 +849,11 @@ def generate_candidates(seeds: list[dict], generators: list[Generator], per_seed
     per_gen: dict[int, list[tuple[dict, int, random.Random]]] = {i: [] for i in range(len(generators))}
     order: list[tuple[int, int]] = []
     for s in seeds:
-        content = _h({k: s.get(k) for k in ("prompt", "verifier", "reference")})
+        content = json_id({k: s.get(k) for k in ("prompt", "verifier", "reference")})
         for k in range(per_seed):
             gi = k % len(generators)
             g = generators[gi]
-            rng = random.Random(int(_h([seed, g.name, g.params, s["task_id"], content, k]), 16))
+            rng = random.Random(int(json_id([seed, g.name, g.params, s["task_id"], content, k]), 16))
             order.append((gi, len(per_gen[gi])))
             per_gen[gi].append((s, k, rng))
     results: dict[int, list[Candidate | None]] = {}
@@ -1167,11 +1152,11 @@ class SynthSummary:
 def batch_id(*, env_name: str, suites: Sequence[str], seeds: Sequence[dict], generators: Sequence[Generator],
              per_seed: int, seed: int, settings: dict, heldout: str | None, policy: str | None = None) -> str:
     """``synth:b-<16 hex>``; see the module docstring for what it hashes and why."""
-    return "synth:b-" + _h({
+    return "synth:b-" + json_id({
         "v": SYNTH_VERSION,
         "env": env_name,
         "suites": sorted(suites),
-        "seeds": [[s["task_id"], _h({k: s.get(k) for k in ("prompt", "verifier", "reference")})] for s in seeds],
+        "seeds": [[s["task_id"], json_id({k: s.get(k) for k in ("prompt", "verifier", "reference")})] for s in seeds],
         "generators": {g.name: g.params for g in generators},
         "per_seed": per_seed,
         "seed": seed,

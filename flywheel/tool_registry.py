@@ -30,33 +30,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flywheel.vocab.tools import called_names, normalise_tool
+
+__all__ = ["SOURCES_KEY", "ToolRegistry", "ToolRegistryError", "called_names", "load_registry", "normalise_tool",
+           "resolve_undeclared", "undeclared_names"]
+
 SOURCES_KEY = "tool_schema_sources"
 
 
 class ToolRegistryError(ValueError):
     """The registry cannot be used; the message names the file and the reason."""
-
-
-def normalise_tool(t: Any) -> dict[str, Any] | None:
-    """An OpenAI tool spec from the nested (``{"type": "function", "function": {...}}``) or the flat
-    (``{"type": "function", "name", "description", "parameters"}``) shape; None when it has no name."""
-    if not isinstance(t, dict):
-        return None
-    fn = t.get("function") if isinstance(t.get("function"), dict) else {k: v for k, v in t.items() if k != "type"}
-    if not isinstance(fn.get("name"), str) or not fn["name"]:
-        return None
-    out: dict[str, Any] = {"name": fn["name"]}
-    if isinstance(fn.get("description"), str):
-        out["description"] = fn["description"]
-    params = fn.get("parameters")
-    if isinstance(params, str):  # some instrumentations write the schema as a JSON string
-        try:
-            params = json.loads(params)
-        except ValueError:
-            params = None
-    if isinstance(params, dict):
-        out["parameters"] = params
-    return {"type": "function", "function": out}
 
 
 class ToolRegistry:
@@ -123,24 +106,6 @@ def load_registry(path: str | os.PathLike[str] | None) -> ToolRegistry:
         _CACHE.clear()
         _CACHE[key] = reg
     return reg
-
-
-def called_names(messages: Any) -> list[str]:
-    """Tool names called in ``messages`` (OpenAI shape), in first-call order, without repeats."""
-    names: dict[str, None] = {}
-    if type(messages) is not list:
-        return []
-    for m in messages:
-        if type(m) is not dict:
-            continue
-        tcs = m.get("tool_calls")
-        if type(tcs) is not list:
-            continue
-        for tc in tcs:
-            fn = tc.get("function") if type(tc) is dict else None
-            if type(fn) is dict and type(fn.get("name")) is str:
-                names[fn["name"]] = None
-    return list(names)
 
 
 def resolve_undeclared(rec: Any, registry: ToolRegistry) -> Any:

@@ -20,6 +20,7 @@ from flywheel.cli.common import (
     print_table,
     progress,
 )
+from flywheel.config import LOSS_NAMES
 
 
 def register(app: typer.Typer) -> None:
@@ -50,19 +51,20 @@ def _demonstrations(path: Path) -> list:
 def train(
     rollouts: list[str] = typer.Option([], "--rollouts", help="Rollout dataset ids (rollouts:<id>); repeatable."),
     mode: str = typer.Option(None, "--mode", help="sft | grpo | auto (default: config train.mode)."),
-    loss: str = typer.Option(None, "--loss", help="grpo | bnpo | dr_grpo | dapo | gspo | cispo."),
+    loss: str = typer.Option(None, "--loss", help=" | ".join(LOSS_NAMES) + " (default: train.loss)."),
     lora_r: int = typer.Option(None, "--lora-r", help="LoRA rank; 0 = full fine-tuning."),
     steps: int = typer.Option(None, "--steps", help="Optimizer steps (GRPO) or SFT steps."),
     base: str = typer.Option(None, "--base", help="Base: model spec, local dir or model:<name>/<N>."),
     demos: Path = typer.Option(None, "--demos", help="Demonstrations (JSON lines) for SFT."),
     deepspeed: str = typer.Option(None, "--deepspeed", help="DeepSpeed config, e.g. infra/deepspeed/zero2.json."),
-    logprob_impl: str = typer.Option("fused", "--logprob-impl", help="fused | naive log-prob path."),
+    logprob_impl: str = typer.Option(None, "--logprob-impl", help="fused | naive log-prob path (train.logprob_impl)."),
     home: str = HomeOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Train the policy and register the result as the `challenger` model version."""
-    train_ov = {k: v for k, v in {"mode": mode, "loss": loss, "lora_r": lora_r, "deepspeed": deepspeed}.items() if v is not None}
+    train_ov = {k: v for k, v in {"mode": mode, "loss": loss, "lora_r": lora_r, "deepspeed": deepspeed,
+                                  "logprob_impl": logprob_impl}.items() if v is not None}
     cfg = load(home, config, {"train": train_ov} if train_ov else None)
     from flywheel.artifacts import open_artifacts
     from flywheel.store import open_store
@@ -103,12 +105,12 @@ def train(
                 if demos is None:
                     raise CliError("SFT needs demonstrations: pass --demos FILE.jsonl (built from the train split)")
                 res = stage.train_sft(cfg, store, artifacts, tracker, _demonstrations(demos), base=base, steps=steps,
-                                      on_step=on_step, logprob_impl=logprob_impl)
+                                      on_step=on_step)
             else:
                 if not rollouts:
                     raise CliError("GRPO needs --rollouts ID (see `flywheel events --type rollouts.published`)")
                 res = stage.train_grpo(cfg, store, artifacts, tracker, rollouts, base=base, steps=steps,
-                                       on_step=on_step, logprob_impl=logprob_impl)
+                                       on_step=on_step)
     info = {**res.to_dict(), "why": why}
     if as_json:
         emit_json(info)

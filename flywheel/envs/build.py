@@ -39,12 +39,13 @@ from typing import Any
 
 from flywheel.evals import (
     TaskError,
-    _parse_ref,
     load_suite,
     validate_task,
     versioned_event,
 )
-from flywheel.store import EventStore, NewEvent, canonical_json
+from flywheel.store import EventStore, NewEvent
+from flywheel.vocab.ids import canonical_json
+from flywheel.vocab.refs import parse_versioned_ref
 
 #: Which suites feed which environment by default. The held-out and regression suites are never
 #: turned into training environments: the gate reads them as suites.
@@ -278,7 +279,7 @@ def add_tasks_to_env(
     (the latest one, unchanged, when the tasks were already there). Raises ``LookupError`` when the
     env has no version yet, :class:`flywheel.evals.TaskError` on a bad record.
     """
-    name, _ = _parse_ref(name, "env")
+    name, _ = parse_versioned_ref(name, "env")
     ev = versioned_event(store, "env", "env.versioned", name)
     if ev is None:
         raise LookupError(f"environment {name!r} has no version yet; run `flywheel envs build` before adding tasks")

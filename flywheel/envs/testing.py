@@ -15,12 +15,12 @@ Used by this package's tests; other stages' tests (rollouts, gate) may use them 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from typing import Any
 
 from flywheel.policy.base import Sample, coerce_params, per_prompt_tools
+from flywheel.vocab.ids import short_id
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
@@ -123,7 +123,7 @@ class ScriptedPolicy:
 
 # ------------------------------------------------------------------------------ store fixtures
 def _h16(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return short_id(json.dumps(parts, sort_keys=True, default=str))
 
 
 def failure_payload(

@@ -28,6 +28,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from flywheel.vocab.tools import tool_names
+
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _STD = re.compile(r"[ \,\.\/\-\_\*\^]")
 #: Bytes of a python tool's return value kept as the observation (the sandbox keeps 8 KiB of stdout).
@@ -72,12 +74,7 @@ class ToolEnv:
         self.recorded: list[dict] = list(env.get("recorded") or [])
         self.python: str | None = env.get("python") or None
         self.sandbox_cfg = sandbox_cfg
-        names = set()
-        for t in tools or []:
-            fn = t.get("function") if isinstance(t.get("function"), dict) else t
-            if fn.get("name"):
-                names.add(str(fn["name"]))
-        self.tool_names = names
+        self.tool_names = set(tool_names(tools))
         self._exact = {}
         self._fuzzy = {}
         for r in self.recorded:

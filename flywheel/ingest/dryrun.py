@@ -31,17 +31,19 @@ from flywheel.ingest.pipeline import (
 from flywheel.ingest.prepare import Preparer
 from flywheel.ingest.reader import iter_lines, open_source, position
 from flywheel.tool_registry import SOURCES_KEY
+from flywheel.vocab.toolcalls import decode_tool_calls
+from flywheel.vocab.tools import tool_name
 
 
 def _calls(messages: list[dict[str, Any]]) -> list[str]:
-    return [str((tc.get("function") or {}).get("name")) for m in messages for tc in m.get("tool_calls") or ()]
+    return [dc.name for m in messages for dc in decode_tool_calls(m.get("tool_calls"))]
 
 
 def describe_trace(rec: dict[str, Any], kinds: list[str], file: str, line: int) -> dict[str, Any]:
     """The dry-run row of one prepared trace."""
     msgs = rec.get("messages") or []
     roles = Counter(m.get("role") for m in msgs)
-    tools = [str((t.get("function") or {}).get("name")) for t in rec.get("tools") or ()]
+    tools = [tool_name(t) for t in rec.get("tools") or ()]
     meta = rec.get("metadata") or {}
     sources = {n: "trace" for n in tools} | dict(meta.get(SOURCES_KEY) or {})
     outcome = rec.get("outcome") or {}

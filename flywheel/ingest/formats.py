@@ -21,11 +21,12 @@ BFCL replay (``bfcl``)
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
 import orjson
+
+from flywheel.vocab.ids import short_id
 
 Problem = tuple[str, str]
 FORMATS = ("openai", "otel", "bfcl")
@@ -104,7 +105,7 @@ class BfclAdapter:
             return None, ("bfcl_unknown_id", f"no BFCL question {bid!r} in category {category}")
         expected = bfcl_answer_to_expected(item.possible_answer)
         from flywheel.verifiers.matching import match_tool_calls
-        from flywheel.verifiers.toolcalls import parse_tool_calls
+        from flywheel.vocab.toolcalls import parse_tool_calls
 
         parsed = parse_tool_calls(answer)
         assistant: dict[str, Any] = {"role": "assistant", "content": answer}
@@ -117,8 +118,7 @@ class BfclAdapter:
             outcome["error"] = (parsed.error or "; ".join(str(w) for w in why) or "answer does not match")[:2000]
         tid = obj.get("trace_id")
         if not isinstance(tid, str) or not tid:
-            h = hashlib.sha256("\x1f".join([bid, obj["model"], obj["timestamp"], answer]).encode()).hexdigest()
-            tid = f"bfcl-{h[:16]}"
+            tid = "bfcl-" + short_id("\x1f".join([bid, obj["model"], obj["timestamp"], answer]))
         meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
         rec = {
             "trace_id": tid,

@@ -44,6 +44,8 @@ from typing import Any
 
 import orjson
 
+from flywheel.vocab.tools import call_function
+
 Problem = tuple[str, str]
 
 CHAT_SPAN_TYPES = ("CHAT_MODEL", "LLM")
@@ -100,7 +102,7 @@ def _clean_message(m: dict[str, Any]) -> dict[str, Any]:
             for c in calls:
                 if not isinstance(c, dict):
                     continue
-                fn = c.get("function") or {}
+                fn = call_function(c, flat=False)
                 args = fn.get("arguments")
                 clean.append({"id": str(c.get("id") or f"call_{len(clean)}"), "type": "function",
                               "function": {"name": fn.get("name"),

@@ -91,6 +91,8 @@ import orjson
 
 from flywheel.ingest.reader import iter_lines, open_binary
 from flywheel.tool_registry import normalise_tool
+from flywheel.vocab.messages import json_text, text_of
+from flywheel.vocab.tools import call_function
 
 Problem = tuple[str, str]
 
@@ -214,11 +216,9 @@ def _args_string(args: Any) -> str:
 
 
 def _text_of(v: Any) -> str:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list):  # OpenAI content parts
-        return "".join(str(p.get("text", p.get("content", ""))) for p in v if isinstance(p, dict))
-    return "" if v is None else json.dumps(v, ensure_ascii=False)
+    # Frozen (the stored trace, and so its failure id, is built from it): parts hold their text under
+    # "text" or "content", every object part counts, any other value is written as JSON.
+    return text_of(v, nonstring_text="stringify", keys=("text", "content"), other=json_text)
 
 
 # -- iterating export requests --------------------------------------------------------------------
@@ -447,7 +447,7 @@ def _event_message(name: str, body: Any) -> dict[str, Any]:
 
 def _event_call(tc: Any, j: int) -> dict[str, Any]:
     tc = tc if isinstance(tc, dict) else {}
-    fn = tc.get("function") if isinstance(tc.get("function"), dict) else {}
+    fn = call_function(tc, flat=False)
     return {"id": str(tc.get("id") or f"call_{j}"), "type": "function",
             "function": {"name": str(fn.get("name")), "arguments": _args_string(fn.get("arguments", ""))}}
 
@@ -465,7 +465,7 @@ def _has_content(msgs: list[dict[str, Any]]) -> bool:
         if c:
             return True
         for tc in m.get("tool_calls") or ():
-            args = (tc.get("function") or {}).get("arguments")
+            args = call_function(tc, flat=False).get("arguments")
             if args and args != "{}":
                 return True
     return False

@@ -50,7 +50,6 @@ Not guaranteed
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import queue
@@ -75,8 +74,9 @@ from flywheel.ingest import formats, otlp
 from flywheel.ingest.prepare import PREPARED_SCHEMA, Batch, Preparer
 from flywheel.ingest.reader import Line, iter_lines, open_binary, open_source, position
 from flywheel.ingest.worker import ParallelBatches
-from flywheel.store import BATCH_SCHEMA, ConcurrencyError, canonical_json
+from flywheel.store import BATCH_SCHEMA, ConcurrencyError
 from flywheel.tool_registry import ToolRegistryError, load_registry
+from flywheel.vocab.ids import canonical_json, sha256_file
 
 MAX_TRACE_IDS = 100
 # Tries of one batch's commit when other writers keep appending to its streams meanwhile, with a
@@ -178,14 +178,6 @@ def _expand_paths(paths: list[Path]) -> list[Path]:
         else:
             raise IngestError(f"{p}: not a regular file")
     return out
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _sniff_format(path: Path, max_line_bytes: int) -> str:
@@ -527,7 +519,7 @@ def plan_otlp(cfg: Any, files: list[Path], fmt: str) -> dict[Path, list[Path]]:
 def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress: ProgressFn | None,
                  companions: list[Path] | None = None) -> None:
     try:
-        sha = _sha256_file(path)
+        sha = sha256_file(path)
         size = path.stat().st_size
     except OSError as e:
         raise IngestError(f"{path}: cannot read ({e.strerror or e})") from None

@@ -30,7 +30,6 @@ serialising the redacted trace ~2 µs.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -42,15 +41,16 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from flywheel.classify import classify, failure_identity, last_assistant_index
+from flywheel.classify import classify, failure_identity
 from flywheel.ingest import formats
 from flywheel.ingest.mlflow_traces import mlflow_to_trace
 from flywheel.ingest.otlp import Assembler
 from flywheel.ingest.reader import Line
 from flywheel.ingest.validate import Limits, validate
 from flywheel.redact import Redactor
-from flywheel.store import canonical_json
 from flywheel.tool_registry import SOURCES_KEY, load_registry, resolve_undeclared
+from flywheel.vocab.ids import canonical_json, short_id
+from flywheel.vocab.messages import last_index
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class PrepStats:
 def failure_static_payload(rec: dict[str, Any], fid: str, chash: str, details: list[str]) -> dict[str, Any]:
     """The part of a new failure's payload that comes from its first trace."""
     msgs = rec["messages"]
-    idx = last_assistant_index(msgs)
+    idx = last_index(msgs, "assistant")
     outcome = rec["outcome"]
     return {
         "entity_id": fid,
@@ -293,7 +293,7 @@ class Preparer:
             rec = self.redactor.trace(rec)
             if rec["trace_id"] != original_id:
                 # An id that itself carries PII is replaced by a stable pseudonym.
-                rec["trace_id"] = "redacted-" + hashlib.sha256(utf8_safe(original_id).encode()).hexdigest()[:16]
+                rec["trace_id"] = "redacted-" + short_id(utf8_safe(original_id))
             for k, v in self.redactor.counts.items():
                 if v != before.get(k, 0):
                     b.redactions[k] = b.redactions.get(k, 0) + v - before.get(k, 0)

@@ -27,10 +27,11 @@ rejected with a ``ValueError``).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the verifiers import only when a call is rendered or parsed
-    from flywheel.verifiers.toolcalls import ToolCall
+from flywheel.vocab.messages import require_text
+from flywheel.vocab.toolcalls import ToolCall, format_tool_calls, parse_tool_calls
+from flywheel.vocab.tools import function_doc
 
 TOOL_SYSTEM_PROMPT = (
     "You are an expert in composing functions. You are given a question and a set of possible "
@@ -48,45 +49,16 @@ TOOL_SYSTEM_PROMPT = (
 TOOL_OUTPUT_TAG = "[tool output: {name}]"
 
 
-def _function_doc(tool: dict) -> dict:
-    """OpenAI ``{"type": "function", "function": {...}}`` or a bare BFCL function doc -> the doc."""
-    if not isinstance(tool, dict):
-        raise ValueError(f"a tool spec must be a JSON object (got {type(tool).__name__})")
-    if tool.get("type") == "function" and isinstance(tool.get("function"), dict):
-        return tool["function"]
-    if "name" in tool:
-        return tool
-    raise ValueError(f"tool spec has neither 'function' nor 'name': {json.dumps(tool)[:200]}")
-
-
 def tool_system_prompt(tools: list[dict]) -> str:
     """The system prompt listing ``tools`` (OpenAI or BFCL specs) as JSON, in the given order."""
-    docs = [_function_doc(t) for t in tools]
+    docs = [function_doc(t) for t in tools]
     return TOOL_SYSTEM_PROMPT.format(functions=json.dumps(docs, ensure_ascii=False))
 
 
-def _text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        parts = []
-        for p in content:
-            if isinstance(p, dict) and p.get("type") == "text":
-                parts.append(str(p.get("text", "")))
-            else:
-                raise ValueError(f"{where}: only text content parts are supported (got {str(p)[:80]})")
-        return "".join(parts)
-    raise ValueError(f"{where}: content must be a string, a list of text parts or null")
-
-
 def _assistant_text(msg: dict, where: str) -> str:
-    content = _text(msg.get("content"), where)
+    content = require_text(msg.get("content"), where)
     if not msg.get("tool_calls"):
         return content
-    from flywheel.verifiers.toolcalls import parse_tool_calls
-
     parsed = parse_tool_calls({"role": "assistant", "content": None, "tool_calls": msg["tool_calls"]})
     if not parsed.error and parsed.calls:
         try:
@@ -110,11 +82,11 @@ def build_prompt_messages(messages: list[dict], tools: list[dict] | None) -> lis
         role = msg.get("role") if isinstance(msg, dict) else None
         where = f"messages[{i}]"
         if role in ("system", "user"):
-            out.append({"role": role, "content": _text(msg.get("content"), where)})
+            out.append({"role": role, "content": require_text(msg.get("content"), where)})
         elif role == "assistant":
             out.append({"role": "assistant", "content": _assistant_text(msg, where)})
         elif role == "tool":
-            turn = {"role": "tool", "content": _text(msg.get("content"), where)}
+            turn = {"role": "tool", "content": require_text(msg.get("content"), where)}
             if msg.get("name"):
                 turn["name"] = str(msg["name"])
             out.append(turn)
@@ -179,8 +151,6 @@ def render_answer(tool_calls: list[ToolCall] | None = None, content: str | None 
     SFT target always parses back to the same calls.
     """
     if tool_calls:
-        from flywheel.verifiers.toolcalls import format_tool_calls
-
         calls = format_tool_calls(tool_calls)
         return f"{content.strip()}\n{calls}" if content and content.strip() else calls
     if content is None:

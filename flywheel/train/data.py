@@ -38,8 +38,8 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from flywheel.config import ObjectiveConfig
 from flywheel.train.advantages import AdvantageScale, compute_advantages, soft_overlong_penalty
-from flywheel.train.objective import ObjectiveConfig
 
 REQUIRED_COLUMNS = (
     "group_id", "prompt_token_ids", "completion_token_ids", "sampler_logprobs", "loss_mask",

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flywheel.train.objective import LOSS_VARIANTS, ObjectiveConfig
+from flywheel.config import LOSS_NAMES, ObjectiveConfig
 
 
 @dataclass
@@ -278,7 +278,7 @@ LOSSES: dict[str, Callable[[LossInputs, ObjectiveConfig], LossOutputs]] = {
     "gspo": gspo_loss,
     "cispo": cispo_loss,
 }
-assert tuple(LOSSES) == LOSS_VARIANTS
+assert tuple(LOSSES) == LOSS_NAMES  # the names are defined once, in flywheel.config
 
 
 def compute_loss(variant: str, inp: LossInputs, cfg: ObjectiveConfig | None = None) -> LossOutputs:

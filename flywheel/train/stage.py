@@ -22,22 +22,22 @@ sources (SFT: eval/synth/trace ids) plus the base model's entity id (``model:<na
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from flywheel.store import canonical_json
+from flywheel.config import objective_temperature
 from flywheel.tracking import DatasetSpec
 from flywheel.train.sft import Demonstration
+from flywheel.vocab.ids import canonical_json, json_id
 
 ADAPTER_MARKER = "adapter_config.json"
 
@@ -108,21 +108,20 @@ def load_policy(cfg: Any, tracker: Any, base: str, *, device: str = "cpu") -> tu
 # -- shared run/registration plumbing ------------------------------------------------------------------
 
 
-def _options(cfg: Any, *, objective: str, lr: float, steps: int, overrides: dict[str, Any]) -> Any:
+def trainer_options(cfg: Any, *, objective: str, lr: float, steps: int) -> Any:
+    """The :class:`~flywheel.train.trainer.TrainerOptions` of one run: every knob comes from
+    ``cfg.train``; the run sets the objective, peak ``lr`` and length. The log-prob temperature is the
+    sampler's for GRPO (:func:`flywheel.config.objective_temperature`) and 1.0 for SFT."""
     from flywheel.train.trainer import TrainerOptions
 
-    t = cfg.train
-    opts = TrainerOptions(
-        objective=objective, lr=lr, total_steps=max(steps, 1), warmup_steps=t.warmup_steps, grad_clip=t.grad_clip,
-        micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=t.gradient_checkpointing,
-        lora_r=t.lora_r, lora_alpha=t.lora_alpha, loss_config=t.objective,
-        max_completion_len=t.objective.max_completion_len or cfg.rollout.max_new_tokens, deepspeed=t.deepspeed,
+    try:
+        temperature = 1.0 if objective == "sft" else objective_temperature(cfg)
+    except ValueError as e:
+        raise TrainStageError(str(e)) from None
+    return TrainerOptions(
+        objective=objective, lr=lr, total_steps=max(steps, 1), temperature=temperature,
+        max_completion_len=cfg.train.objective.max_completion_len or cfg.rollout.max_new_tokens, train=cfg.train,
     )
-    for k, v in overrides.items():
-        if not hasattr(opts, k):
-            raise TrainStageError(f"unknown trainer option {k!r}")
-        setattr(opts, k, v)
-    return opts
 
 
 def _device(cfg: Any) -> str:
@@ -145,19 +144,21 @@ def _train_and_register(
     base_ent = base_entity(base)
     causation = list(dict.fromkeys([*consumes, base_ent]))
     if tokenizer.pad_token_id is not None:
-        options.pad_id = int(tokenizer.pad_token_id)
+        options = replace(options, pad_id=int(tokenizer.pad_token_id))
     trainer = Trainer(model, options, device=_device(cfg))
     history: list[dict[str, float]] = []
     adapter = "lora" if trainer.is_lora else "full"
     with tracker.run(f"train-{mode}", consumes=causation, produces=[run_id],
                      tags={"flywheel.run": run_id, "flywheel.mode": mode, "base_model": base_spec}) as run:
+        t = options.train
         run.log_params({
             "mode": mode, "objective": options.objective, "lr": options.lr, "steps": steps,
-            "lora_r": options.lora_r, "lora_alpha": options.lora_alpha, "micro_batch_tokens": options.micro_batch_tokens,
-            "warmup_steps": options.warmup_steps, "grad_clip": options.grad_clip, "logprob_impl": options.logprob_impl,
-            "deepspeed": options.deepspeed or "", "base": base, "base_model": base_spec,
+            "lora_r": t.lora_r, "lora_alpha": t.lora_alpha, "micro_batch_tokens": t.micro_batch_tokens,
+            "warmup_steps": t.warmup_steps, "grad_clip": t.grad_clip, "logprob_impl": t.logprob_impl,
+            "deepspeed": t.deepspeed or "", "base": base, "base_model": base_spec,
             "n_params": trainer.n_params, "n_trainable": trainer.n_trainable,
-            **{f"objective.{k}": v for k, v in options.loss_config.model_dump().items()},
+            **{f"objective.{k}": v for k, v in t.objective.model_dump().items()},
+            "objective.temperature": options.temperature,
             **extra_params,
         })
         run.log_datasets(datasets)
@@ -237,12 +238,35 @@ def demonstrations_dataset(demos: Sequence[Demonstration], sources: Sequence[str
              "answer": canonical_json([[c.name, c.arguments] for c in d.answer_calls] if d.answer_calls
                                       else d.answer_content)} for d in demos]
     schema = pa.schema([(k, pa.string()) for k in ("source_entity_id", "split", "messages", "tools", "answer")])
-    digest = hashlib.sha256(canonical_json(rows).encode()).hexdigest()[:16]
+    digest = json_id(rows)
     return DatasetSpec(f"demonstrations@{digest}", "demonstrations", digest, len(rows), schema=schema,
                        source={"entity_ids": list(sources)[:200], "entities": len(sources)})
 
 
 # -- GRPO -------------------------------------------------------------------------------------------
+
+
+def _check_sampling_temperature(tables: Sequence[tuple[str, Any, dict[str, Any]]], temperature: float) -> None:
+    """Every rollout dataset was sampled at the objective's temperature, and not greedily."""
+    if temperature == 0.0:
+        raise TrainStageError(
+            "rollout.temperature is 0 (greedy): GRPO needs sampled groups (greedy samples of one prompt are all "
+            "the same answer) and log-probs at a finite temperature; set rollout.temperature > 0")
+    for eid, _, payload in tables:
+        sampled = (payload.get("params") or {}).get("temperature")
+        if sampled is None:
+            continue  # datasets published without their sampling parameters: nothing to compare
+        if float(sampled) == 0.0:
+            raise TrainStageError(
+                f"{eid} was sampled greedily (temperature 0): every sample of a group is the same answer, so "
+                "GRPO has no signal, and no log-prob temperature matches a greedy sampler; sample rollouts with "
+                "rollout.temperature > 0")
+        if float(sampled) != float(temperature):
+            raise TrainStageError(
+                f"{eid} was sampled at temperature {sampled} but the objective computes log-probs at "
+                f"{temperature} (train.objective.temperature, default rollout.temperature): the importance ratio "
+                "would compare two different distributions; sample new rollouts or set rollout.temperature to "
+                f"{sampled}")
 
 
 def train_grpo(
@@ -255,18 +279,23 @@ def train_grpo(
     base: str | None = None,
     loss: str | None = None,
     steps: int | None = None,
+    lr: float | None = None,
     rollout_fn: Callable[[Any], Any] | None = None,
     iterations: int = 1,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
-    **options: Any,
 ) -> TrainResult:
     """GRPO-family training on published rollout datasets; registers the result as ``challenger``.
 
-    ``steps`` optimizer steps per iteration of ``cfg.train.batch_size`` sequences (whole groups). With
+    ``steps`` optimizer steps per iteration of ``cfg.train.batch_size`` sequences (whole groups) at
+    peak learning rate ``lr`` (default ``cfg.train.lr``); every other knob is ``cfg.train``. With
     ``iterations > 1`` and a ``rollout_fn`` (:class:`flywheel.train.trainer.RolloutCallback`), later
     iterations sample fresh rollouts from the current policy; a returned table whose schema metadata
     carries ``flywheel.entity_id`` (a published ``rollouts:<id>``) is added to the run's causation.
-    ``options`` override :class:`~flywheel.train.trainer.TrainerOptions` fields (e.g. ``logprob_impl``).
+
+    Refused (:class:`TrainStageError`) before any model is loaded: a rollout dataset sampled at a
+    temperature other than the objective's (the importance ratio would compare two distributions),
+    and greedy rollouts (temperature 0: every sample of a group is the same answer, so there is no
+    group signal, and no finite temperature matches a greedy sampler).
     """
     from flywheel.train.data import load_rollout_tables, samples_from_rollouts
     from flywheel.train.trainer import batches
@@ -280,6 +309,8 @@ def train_grpo(
     n_steps = cfg.train.steps if steps is None else steps
     tables = load_rollout_tables(store, artifacts, rollout_ids)
     consumes = [eid for eid, _, _ in tables]
+    opts = trainer_options(cfg, objective=variant, lr=cfg.train.lr if lr is None else lr, steps=n_steps * iterations)
+    _check_sampling_temperature(tables, opts.temperature)
 
     def to_samples(table: Any) -> list[Any]:
         return samples_from_rollouts(
@@ -299,7 +330,6 @@ def train_grpo(
     if not samples:
         raise TrainStageError(f"rollouts {consumes}: no usable samples (all rows had infra errors?)")
     model, tok, base_spec = load_policy(cfg, tracker, base, device=_device(cfg))
-    opts = _options(cfg, objective=variant, lr=cfg.train.lr, steps=n_steps * iterations, overrides=options)
 
     def step_batches(trainer: Any):
         current = samples
@@ -340,14 +370,14 @@ def train_sft(
     *,
     base: str | None = None,
     steps: int | None = None,
+    lr: float | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
-    **options: Any,
 ) -> TrainResult:
     """Supervised warm start on demonstrations (answer tokens only); registers the result as ``challenger``.
 
     Refuses held-out demonstrations (:class:`flywheel.train.sft.HeldOutDemonstrationError`) before
     loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
-    ``cfg.train.sft_lr`` unless ``steps``/``options`` override them.
+    ``cfg.train.sft_lr`` unless ``steps``/``lr`` say otherwise; every other knob is ``cfg.train``.
     """
     from flywheel.train.sft import check_demonstrations, demonstration_samples
     from flywheel.train.trainer import batches
@@ -360,8 +390,7 @@ def train_sft(
     model, tok, base_spec = load_policy(cfg, tracker, base, device=_device(cfg))
     samples = demonstration_samples(tok, demonstrations)
     # Each demonstration is its own group, so `batches` shuffles them individually.
-    lr = options.pop("lr", cfg.train.sft_lr)
-    opts = _options(cfg, objective="sft", lr=lr, steps=n_steps, overrides=options)
+    opts = trainer_options(cfg, objective="sft", lr=cfg.train.sft_lr if lr is None else lr, steps=n_steps)
     sources = list(dict.fromkeys(d.source_entity_id for d in demonstrations))
 
     def step_batches(trainer: Any):

@@ -14,8 +14,9 @@ computes ``log softmax(h W^T / T)[target]`` without materialising ``[tokens, voc
 Under ZeRO-3 the lm_head weight is partitioned, so it is gathered
 (``deepspeed.zero.GatheredParameters``) around each micro-batch's forward *and* backward.
 
-Multi-iteration GRPO (:func:`run_iterations`): ``rollout -> N optimizer steps -> refresh the sampler
--> rollout`` for ``iterations`` rounds. The rollout stage plugs in through :data:`RolloutCallback`.
+Multi-iteration GRPO (``rollout -> N optimizer steps -> refresh the sampler -> rollout``) is driven by
+the training stage (:func:`flywheel.train.stage.train_grpo` with ``iterations``); the rollout stage
+plugs in through :class:`RolloutCallback`.
 
 Guarantees
 - Gradient accumulation reproduces the full-batch gradient for ``grpo``, ``dr_grpo``, ``dapo``,
@@ -48,12 +49,13 @@ from typing import Any, Literal, Protocol
 import pyarrow as pa
 import torch
 
+from flywheel.config import LossName, TrainConfig
 from flywheel.train.data import MicroBatch, TrainSample, make_micro_batches
 from flywheel.train.losses import LossInputs, compute_loss, sft_loss
-from flywheel.train.objective import ObjectiveConfig
 
 LogprobImpl = Literal["fused", "naive"]
-Objective = Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sft"]
+#: What a run optimises: a GRPO-family loss (``[train] loss``) or SFT's cross-entropy.
+Objective = LossName | Literal["sft"]
 
 # Dense bf16 peak FLOP/s by GPU name substring (vendor datasheets), for the MFU estimate.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40": 181e12, "L4": 121e12, "A10": 125e12}
@@ -62,7 +64,7 @@ _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40": 181e12, "L4
 class RolloutCallback(Protocol):
     """Produce a rollout table (``schemas/rollouts.py``) by sampling from ``policy``.
 
-    Called by :func:`run_iterations` once per round with the *current* trained model (a
+    Called once per GRPO iteration with the *current* trained model (a
     ``transformers`` model, possibly a ``peft.PeftModel``; unwrapped from DeepSpeed), already in
     eval mode. The callback refreshes its sampler from it: the HF backend samples in process from
     this very object; an HTTP backend (vLLM) saves the adapter (``policy.save_pretrained(dir)``) and
@@ -273,33 +275,25 @@ def make_adamw(params: list[torch.nn.Parameter], **kw: Any) -> torch.optim.AdamW
     return torch.optim.AdamW(params, **kw)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerOptions:
-    """Everything :class:`Trainer` needs besides the model (built from ``TrainConfig`` by the stages)."""
+    """One :class:`Trainer` run: what the stage decides per run, and ``train``, the ``[train]``
+    section (:class:`flywheel.config.TrainConfig`) that holds every knob of the trainer (optimizer,
+    schedule shape, LoRA, micro-batching, log-prob path, loss knobs in ``train.objective``).
+
+    Per run: the objective (a GRPO-family loss or ``"sft"``), the peak ``lr``, the schedule length
+    ``total_steps``, the log-prob ``temperature`` (the sampler's for GRPO, 1.0 for SFT:
+    :func:`flywheel.config.objective_temperature`), the completion budget ``max_completion_len`` of
+    ``dr_grpo`` and the overlong penalty, and the tokenizer's ``pad_id``.
+    """
 
     objective: Objective = "dapo"
     lr: float = 1e-5
     total_steps: int = 8
-    warmup_steps: int = 1
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 4096
-    packing: bool = False
-    gradient_checkpointing: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    logprob_impl: LogprobImpl = "fused"
-    loss_config: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    temperature: float = 1.0
     max_completion_len: int | None = None
-    deepspeed: str | None = None
-    log_entropy: bool = True
     pad_id: int = 0
-    # MLPs and RMSNorms that keep fewer activations for backward (flywheel.kernels.fused_layers)
-    lean_layers: bool = True
-    # CPU: hand the step's freed heap back to the OS after each optimizer step (glibc malloc_trim)
-    release_memory: bool = True
+    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 @dataclass
@@ -325,11 +319,12 @@ class Trainer:
 
     def __init__(self, model: Any, options: TrainerOptions, *, device: str | torch.device = "cpu"):
         self.opt = options
+        t = self.train = options.train
         self.device = torch.device(device)
         self.use_cuda = self.device.type == "cuda"
-        model = apply_lora(model, r=options.lora_r, alpha=options.lora_alpha)
-        self.is_lora = options.lora_r > 0
-        if options.gradient_checkpointing:
+        model = apply_lora(model, r=t.lora_r, alpha=t.lora_alpha)
+        self.is_lora = t.lora_r > 0
+        if t.gradient_checkpointing:
             # Non-reentrant checkpointing needs no input grads (LoRA freezes the embeddings).
             unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             cfg = getattr(unwrap(model), "config", None)
@@ -337,10 +332,10 @@ class Trainer:
                 cfg.use_cache = False
         model.to(self.device)
         self.ref_model = None
-        if options.objective != "sft" and options.loss_config.beta > 0 and not self.is_lora:
+        if options.objective != "sft" and t.objective.beta > 0 and not self.is_lora:
             self.ref_model = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
         self.lean_layers: dict[str, int] = {}
-        if options.lean_layers:
+        if t.lean_layers:
             from flywheel.kernels.fused_layers import patch_for_training
 
             self.lean_layers = patch_for_training(unwrap(model))
@@ -349,18 +344,18 @@ class Trainer:
             raise ValueError("no trainable parameters (LoRA found no target modules?)")
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in params)
-        optimizer = make_adamw(params, lr=options.lr, betas=options.betas, weight_decay=options.weight_decay)
+        optimizer = make_adamw(params, lr=options.lr, betas=t.betas, weight_decay=t.weight_decay)
         sched = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda s: cosine_with_warmup(
-                s, warmup=options.warmup_steps, total=options.total_steps, min_ratio=options.min_lr_ratio
+                s, warmup=t.warmup_steps, total=options.total_steps, min_ratio=t.min_lr_ratio
             ),
         )
         self.engine = None
-        if options.deepspeed:
+        if t.deepspeed:
             import deepspeed
 
-            ds_cfg = load_deepspeed_config(options.deepspeed, grad_clip=options.grad_clip, bf16=self.use_cuda)
+            ds_cfg = load_deepspeed_config(t.deepspeed, grad_clip=t.grad_clip, bf16=self.use_cuda)
             # torch's AdamW, not DeepSpeed's: the fused C++ op costs a ~30 s build on first use (FACTS.md).
             self.engine, optimizer, _, sched = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=sched, config=ds_cfg
@@ -386,12 +381,12 @@ class Trainer:
     def _logprobs(self, model: Any, mb: MicroBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._autocast():
             return sequence_logprobs(
-                model, mb, temperature=self.opt.loss_config.temperature, impl=self.opt.logprob_impl,
+                model, mb, temperature=self.opt.temperature, impl=self.train.logprob_impl,
                 compute_entropy=entropy,
             )
 
     def _ref_logprobs(self, mb: MicroBatch) -> torch.Tensor | None:
-        if self.opt.objective == "sft" or self.opt.loss_config.beta == 0:
+        if self.opt.objective == "sft" or self.train.objective.beta == 0:
             return None
         with torch.no_grad():
             if self.ref_model is not None:
@@ -401,7 +396,7 @@ class Trainer:
 
     def micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
         return make_micro_batches(
-            samples, token_budget=self.opt.micro_batch_tokens, packing=self.opt.packing, pad_id=self.opt.pad_id
+            samples, token_budget=self.train.micro_batch_tokens, packing=self.train.packing, pad_id=self.opt.pad_id
         )
 
     @torch.no_grad()
@@ -441,7 +436,7 @@ class Trainer:
                 self.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
             ref = self._ref_logprobs(mb)
             with gathered_head(self.model):
-                logp, ent = self._logprobs(self.model, mb, self.opt.log_entropy)
+                logp, ent = self._logprobs(self.model, mb, self.train.log_entropy)
                 inp = LossInputs(
                     logp=logp, mask=mb.mask, advantages=mb.advantages, old_logp=mb.old_logp, ref_logp=ref,
                     sampler_logp=mb.sampler_logp, entropy=ent.detach() if ent is not None else None,
@@ -449,7 +444,7 @@ class Trainer:
                     max_completion_len=self.opt.max_completion_len, dp_world_size=world,
                 )
                 out = sft_loss(inp) if self.opt.objective == "sft" else compute_loss(
-                    self.opt.objective, inp, self.opt.loss_config
+                    self.opt.objective, inp, self.train.objective
                 )
                 if self.engine is not None:
                     # Our losses are already normalised over the whole step: no 1/GAS scaling.
@@ -467,14 +462,14 @@ class Trainer:
             grad_norm = float(gn) if gn is not None else float("nan")
         else:
             params = [p for p in self.model.parameters() if p.requires_grad]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.opt.grad_clip))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.train.grad_clip))
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
         if self.use_cuda:
             torch.cuda.synchronize()
-        elif self.opt.release_memory:
+        elif self.train.release_memory:
             _malloc_trim()
         dt = time.perf_counter() - t0
         stats = {k: v / max(agg_w, 1.0) for k, v in agg.items()}
@@ -529,39 +524,3 @@ def batches(samples: Sequence[TrainSample], batch_size: int, steps: int, *, seed
         if cur:
             yield cur
             produced += 1
-
-
-def run_iterations(
-    trainer: Trainer,
-    rollout: RolloutCallback,
-    to_samples: Callable[[pa.Table], list[TrainSample]],
-    *,
-    iterations: int,
-    steps_per_iteration: int,
-    batch_size: int,
-    seed: int = 0,
-    on_step: Callable[[int, StepMetrics], None] | None = None,
-) -> list[StepMetrics]:
-    """Multi-iteration GRPO: ``rollout -> N steps -> refresh sampler -> rollout`` for ``iterations`` rounds.
-
-    ``rollout(policy)`` (see :class:`RolloutCallback`) samples from the current policy; the table is
-    turned into samples by ``to_samples`` (usually :func:`flywheel.train.data.samples_from_rollouts`).
-    When ``steps_per_iteration > 1`` the old log-probs are computed once before the first update, so
-    later steps' ratios compare against the policy that sampled.
-    """
-    history: list[StepMetrics] = []
-    for it in range(iterations):
-        trainer.policy.eval()
-        table = rollout(trainer.policy)
-        trainer.policy.train()
-        samples = to_samples(table)
-        if not samples:
-            continue
-        if steps_per_iteration > 1:
-            trainer.compute_old_logprobs(samples)
-        for batch in batches(samples, batch_size, steps_per_iteration, seed=seed + it):
-            m = trainer.step(batch)
-            history.append(m)
-            if on_step is not None:
-                on_step(it, m)
-    return history

@@ -12,7 +12,7 @@ Kinds and parameters (defaults in brackets)
   every assistant message]. Components ``parseable``, ``valid_schema``, ``function_names``,
   ``required_args``, ``values`` (partial credit in [0, 1]); ``passed`` is the full match. With
   ``expected=None`` only schema validity is checked and ``details["weak"] = True``. Matching rules:
-  :mod:`flywheel.verifiers.matching`; parsing: :mod:`flywheel.verifiers.toolcalls`.
+  :mod:`flywheel.verifiers.matching`; parsing: :mod:`flywheel.vocab.toolcalls`.
 - ``json_schema``: ``schema``; ``source`` ["auto": the tool-call arguments when the message has exactly
   one call, else the text]. The text (or its fenced ```json block) must parse as strict JSON (no NaN, no
   duplicate keys) and validate. Components ``parseable``, ``valid``.
@@ -70,7 +70,6 @@ import json
 import math
 import os
 import re
-import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +77,10 @@ from typing import Any
 from flywheel.config import JudgeConfig, SandboxConfig
 from flywheel.io_tests import NotIO, compile_io
 from flywheel.sandbox import GRADINGS, SandboxResult, discover_tests, run_python_tests, run_shell
-from flywheel.verifiers.toolcalls import (
+from flywheel.vocab.errors import InfraError
+from flywheel.vocab.messages import answer_message, message_text
+from flywheel.vocab.text import answer_text
+from flywheel.vocab.toolcalls import (
     ParseResult,
     ToolCall,
     format_tool_calls,
@@ -101,11 +103,6 @@ __all__ = [
     "answer_message",
     "KINDS",
 ]
-
-
-class InfraError(RuntimeError):
-    """Raised by a verifier when the *infrastructure* failed (not the candidate). :func:`verify`
-    turns it into a verdict with ``infra_error`` set."""
 
 
 class SpecError(ValueError):
@@ -247,23 +244,6 @@ def validate_spec(spec: dict) -> None:
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def answer_message(trajectory: list[dict]) -> dict | None:
-    """The last assistant message, or None."""
-    for m in reversed(trajectory):
-        if isinstance(m, dict) and m.get("role") == "assistant":
-            return m
-    return None
-
-
-def _text(msg: dict | None) -> str:
-    if msg is None:
-        return ""
-    c = msg.get("content")
-    if isinstance(c, list):
-        return "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
-    return c if isinstance(c, str) else ""
-
-
 def _fail(components: dict[str, float], **details: Any) -> Verdict:
     return Verdict(0.0, False, components, details=details)
 
@@ -357,7 +337,7 @@ def _json_schema(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verd
     elif source == "tool_arguments":
         return _fail({"parseable": 0.0, "valid": 0.0}, error="no tool call in the answer")
     else:
-        text = _text(msg).strip()
+        text = message_text(msg).strip()
         if len(text) > 1_000_000:
             return _fail({"parseable": 0.0, "valid": 0.0}, error="answer too large")
         tried = [text] + [b for lang, b in _FENCE.findall(text) if lang.lower() in ("json", "")]
@@ -377,19 +357,15 @@ def _json_schema(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verd
     return _done(not errors, {"parseable": 1.0, "valid": 0.0 if errors else 1.0}, source=where, errors=errors[:10])
 
 
-def _norm_text(s: str) -> str:
-    return " ".join(unicodedata.normalize("NFKC", s).casefold().split())
-
-
 @register_verifier("exact")
 def _exact(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdict:
     exp = spec["expected"]
     options = exp if isinstance(exp, list) else [exp]
     if not options or not all(isinstance(o, str) for o in options):
         raise SpecError("exact: 'expected' must be a string or a non-empty list of strings")
-    got = _text(answer_message(trajectory))
+    got = message_text(answer_message(trajectory))
     if spec.get("normalize", True):
-        ok = _norm_text(got) in {_norm_text(o) for o in options}
+        ok = answer_text(got) in {answer_text(o) for o in options}
     else:
         ok = got.strip() in {o.strip() for o in options}
     return _done(ok, {"match": float(ok)})
@@ -428,7 +404,7 @@ def _float_param(spec: dict, key: str) -> float:
 def _numeric(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdict:
     expected = _float_param(spec, "expected")
     rel, abs_ = float(spec.get("rel_tol", 1e-6)), float(spec.get("abs_tol", 1e-9))
-    text = _text(answer_message(trajectory)).strip()
+    text = message_text(answer_message(trajectory)).strip()
     got = _to_number(text)
     source = "whole answer"
     if got is None and not spec.get("strict", False) and len(text) <= 100_000:
@@ -467,7 +443,7 @@ def _compile_regex(spec: dict) -> re.Pattern:
 @register_verifier("regex")
 def _regex(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdict:
     rx = _compile_regex(spec)
-    text = _text(answer_message(trajectory))
+    text = message_text(answer_message(trajectory))
     if len(text) > 100_000:
         return _fail({"match": 0.0}, error="answer longer than 100000 characters")
     m = rx.fullmatch(text.strip()) if spec.get("fullmatch", False) else rx.search(text)
@@ -498,9 +474,9 @@ def _sandbox_verdict(res: SandboxResult, extraction: str, cfg: SandboxConfig) ->
 @register_verifier("python_tests")
 def _python_tests(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdict:
     msg = answer_message(trajectory)
-    if msg is None or not _text(msg).strip():
+    if msg is None or not message_text(msg).strip():
         return _fail({"tests": 0.0}, error="no answer")
-    code, how = _extract_code(_text(msg), ("python", "py", "python3"))
+    code, how = _extract_code(message_text(msg), ("python", "py", "python3"))
     try:
         res = run_python_tests(code, spec["tests"], ctx.sandbox, site_packages=bool(spec.get("site_packages", False)),
                                grading=str(spec.get("grading", "auto")))
@@ -512,9 +488,9 @@ def _python_tests(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Ver
 @register_verifier("shell")
 def _shell(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdict:
     msg = answer_message(trajectory)
-    if msg is None or not _text(msg).strip():
+    if msg is None or not message_text(msg).strip():
         return _fail({"tests": 0.0}, error="no answer")
-    script, how = _extract_code(_text(msg), ("bash", "sh", "shell", "console"))
+    script, how = _extract_code(message_text(msg), ("bash", "sh", "shell", "console"))
     try:
         res = run_shell(script, spec["command"], ctx.sandbox)
     except ValueError as e:
@@ -559,7 +535,7 @@ def _llm_judge(spec: dict, trajectory: list[dict], ctx: VerifyContext) -> Verdic
     judge = ctx.judge
     if not judge.base_url:
         raise InfraError("no judge endpoint configured (judge.base_url)")
-    answer = _text(answer_message(trajectory))
+    answer = message_text(answer_message(trajectory))
     user = f"Rubric:\n{spec['rubric']}\n\n"
     if spec.get("reference"):
         user += f"Reference answer:\n{spec['reference']}\n\n"

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flywheel.verifiers.toolcalls import ToolCall
+from flywheel.vocab.toolcalls import ToolCall
 
 __all__ = [
     "BfclItem",

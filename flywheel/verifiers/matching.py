@@ -37,7 +37,8 @@ from typing import Any
 
 import jsonschema
 
-from flywheel.verifiers.toolcalls import ToolCall
+from flywheel.vocab.toolcalls import ToolCall
+from flywheel.vocab.tools import function_of
 
 __all__ = ["MatchReport", "match_tool_calls", "tool_index", "standardize_string", "normalize_expected"]
 
@@ -61,8 +62,8 @@ def tool_index(tools: list[dict]) -> dict[str, dict]:
     {...}}``) or bare function specs. Raises ValueError on a spec without a name."""
     out: dict[str, dict] = {}
     for i, t in enumerate(tools or []):
-        fn = t.get("function", t) if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        fn = function_of(t)
+        if fn is None or not isinstance(fn.get("name"), str):
             raise ValueError(f"tools[{i}] has no function name")
         out[fn["name"]] = fn.get("parameters") or {"type": "object", "properties": {}}
     return out

@@ -52,7 +52,8 @@ def test_tiny_model_learns_the_call_format(cfg, store, tmp_path_factory):
     cfg.train.batch_size = 2
     cfg.train.warmup_steps = 0
     tracker = Tracker(cfg)
-    res = train_sft(cfg, store, None, tracker, demos, base=base, steps=STEPS, lr=1e-2, min_lr_ratio=0.1)
+    cfg.train.min_lr_ratio = 0.1
+    res = train_sft(cfg, store, None, tracker, demos, base=base, steps=STEPS, lr=1e-2)
     assert res.metrics["loss"] < 0.25 * res.metrics["first_loss"], res.metrics
     assert set(store.read(res.run_id)[0].causation) == {"eval:paris", "eval:oslo", "model:base/tiny"}
     model, tok = load_model(str(tracker.model_dir(cfg.cycle.model_name, res.model_version)), home=cfg.home)

@@ -104,7 +104,7 @@ _CALLISH_TEXT = st.lists(st.sampled_from(list("ab_.=:,'\" \n\t()[]{}<>`12\u00a0\
 @given(st.one_of(_CALLISH_TEXT, st.text(max_size=40)))
 def test_could_hold_a_call_is_false_only_when_the_parser_finds_nothing(text):
     from flywheel.classify import could_hold_a_call
-    from flywheel.verifiers.toolcalls import parse_tool_calls
+    from flywheel.vocab.toolcalls import parse_tool_calls
 
     if not could_hold_a_call(text):
         res = parse_tool_calls(text)

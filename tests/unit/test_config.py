@@ -74,3 +74,47 @@ def test_ensure_home_is_private(tmp_path):
     cfg = load_config(environ={"FLYWHEEL_HOME": str(tmp_path / "h")})
     cfg.ensure_home()
     assert (cfg.home.stat().st_mode & 0o777) == 0o700
+
+
+def test_objective_temperature_follows_rollout_and_refuses_a_contradiction(tmp_path):
+    """Finding: rollout.temperature and train.objective.temperature must agree and nothing checked it."""
+    from flywheel.config import objective_temperature
+
+    env = {"FLYWHEEL_HOME": str(tmp_path)}
+    cfg = load_config(environ=env, overrides={"rollout": {"temperature": 0.7}})
+    assert cfg.train.objective.temperature is None and objective_temperature(cfg) == 0.7
+    same = load_config(environ=env, overrides={"rollout": {"temperature": 0.7}, "train": {"objective": {"temperature": 0.7}}})
+    assert objective_temperature(same) == 0.7
+    with pytest.raises(ConfigError, match=r"train.objective.temperature = 0.9 differs from rollout.temperature = 0.7"):
+        load_config(environ=env, overrides={"rollout": {"temperature": 0.7}, "train": {"objective": {"temperature": 0.9}}})
+
+
+def test_nested_sections_and_trainer_knobs_come_from_toml_and_env(tmp_path):
+    """Finding: trainer options (packing, logprob_impl, weight_decay, ...) were settable only through
+    setattr overrides; they are [train] fields now, layered like every other field (pydantic-settings)."""
+    p = write(tmp_path, "[train]\npacking = true\nweight_decay = 0.01\n[train.objective]\neps_high = 0.3\n")
+    cfg = load_config(p, environ={"FLYWHEEL_HOME": str(tmp_path), "FLYWHEEL_TRAIN__LOGPROB_IMPL": "naive",
+                                  "FLYWHEEL_TRAIN__OBJECTIVE__BETA": "0.05", "FLYWHEEL_ROLLOUT__MAX_TASKS": "null",
+                                  "FLYWHEEL_SYNTH__GENERATORS": '["mutate"]', "FLYWHEEL_HOME_X": "ignored"})
+    t = cfg.train
+    assert (t.packing, t.weight_decay, t.logprob_impl, t.objective.eps_high, t.objective.beta) == (
+        True, 0.01, "naive", 0.3, 0.05)
+    assert cfg.rollout.max_tasks is None and cfg.synth.generators == ["mutate"]
+    with pytest.raises(ConfigError, match="train.logprob_impl"):
+        load_config(environ={"FLYWHEEL_HOME": str(tmp_path), "FLYWHEEL_TRAIN__LOGPROB_IMPL": "fast"})
+    with pytest.raises(ConfigError, match="betas"):
+        load_config(environ={"FLYWHEEL_HOME": str(tmp_path)}, overrides={"train": {"betas": [0.9, 1.5]}})
+
+
+def test_loss_names_are_defined_once():
+    import typing
+
+    from flywheel.config import LOSS_NAMES, TrainConfig
+    from flywheel.train.losses import LOSSES
+
+    assert tuple(LOSSES) == LOSS_NAMES == typing.get_args(TrainConfig.model_fields["loss"].annotation)
+
+
+def test_config_names_must_keep_references_unambiguous(tmp_path):
+    with pytest.raises(ConfigError, match="cycle.heldout_suite"):
+        load_config(environ={"FLYWHEEL_HOME": str(tmp_path)}, overrides={"cycle": {"heldout_suite": "held@out"}})

@@ -18,7 +18,6 @@ from flywheel.dedup import (
     candidate_probability,
     exact_key,
     jaccard,
-    jaccard_estimate,
     lsh_params,
     normalize_text,
     shingles,
@@ -87,7 +86,7 @@ def test_minhash_estimate_is_unbiased_within_the_theoretical_error(bfcl_texts):
     sa = mh.signatures([p[0] for p in pairs])
     sb = mh.signatures([p[1] for p in pairs])
     exact = np.array([jaccard(shingles(a), shingles(b)) for a, b in pairs])
-    est = jaccard_estimate(sa, sb)
+    est = (sa == sb).mean(axis=-1)  # the MinHash estimate: share of equal signature positions
     mid = (exact > 0.2) & (exact < 0.9)
     assert mid.sum() > 100
     err = (est - exact)[mid]

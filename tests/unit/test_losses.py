@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
+from flywheel.config import ObjectiveConfig
 from flywheel.train.losses import (
     LossInputs,
     compute_loss,
     gspo_sequence_ratio,
     kl_penalty,
 )
-from flywheel.train.objective import ObjectiveConfig
 
 CLIPPED = ["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo"]
 

@@ -14,7 +14,7 @@ from flywheel.policy.format import (
     template_supports_tool_role,
     tool_turns_as_user,
 )
-from flywheel.verifiers.toolcalls import ToolCall, parse_tool_calls
+from flywheel.vocab.toolcalls import ToolCall, parse_tool_calls
 
 WEATHER = {
     "type": "function",

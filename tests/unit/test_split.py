@@ -9,7 +9,7 @@ from fixtures import agent_traffic
 from flywheel.artifacts import open_artifacts
 from flywheel.envs.testing import append_failures, failure_payload, openai_call
 from flywheel.evals import build_evals, load_suite
-from flywheel.split import SplitIndex, deal, normalise, request_key, request_text, signature, tool_names
+from flywheel.split import SplitIndex, deal, jaccard, normalise, request_key, request_text, tool_names
 from flywheel.verifiers.bfcl import bfcl_answer_to_expected, load_bfcl
 
 
@@ -54,7 +54,7 @@ def test_an_agent_with_a_long_shared_system_prompt_gets_a_heldout_share():
     for seed in ("flywheel-split-v1", "another-seed"):
         placed = _place(traffic, seed)
         share = sum(p.split == "heldout" for p in placed) / len(placed)
-        assert abs(share - 0.3) <= 0.1, (seed, share)
+        assert 0.2 <= share <= 0.4, (seed, share)
         assert len({p.cluster for p in placed}) >= 60  # distinct questions are distinct clusters
         by_question: dict[str, set[str]] = {}
         for r, p in zip(traffic, placed, strict=True):
@@ -126,9 +126,10 @@ def test_a_request_bridging_train_and_heldout_is_excluded_from_both():
     base = words
     left = " ".join(words.split()[:-4])  # drops the tail
     right = " ".join(words.split()[4:])  # drops the head
-    # left and right are not near each other (~0.59) but the full request is near both (~0.83, ~0.76).
-    assert signature(left).jaccard(signature(right)) < 0.7
-    assert min(signature(base).jaccard(signature(left)), signature(base).jaccard(signature(right))) >= 0.7
+    # left and right are not near each other (~0.59) but the full request is near both (~0.83, ~0.76):
+    # exact 5-gram Jaccards, which is what the index confirms with.
+    assert jaccard(left, right) < 0.7
+    assert min(jaccard(base, left), jaccard(base, right)) >= 0.7
     idx.add_existing("a", left, "c-a", "train")
     idx.add_existing("c", right, "c-c", "heldout")
     b = idx.assign("b", base)
@@ -193,7 +194,6 @@ def test_split_is_stable_across_rebuilds_new_failures_and_config_changes(cfg, st
     # Held-out and train never share a cluster, and no cross pair is a near-duplicate.
     train, held = load_suite(store, arts, "train"), load_suite(store, arts, "heldout")
     assert not {t["metadata"]["cluster"] for t in train.tasks} & {t["metadata"]["cluster"] for t in held.tasks}
-    sig = {t["task_id"]: signature(request_text(t["prompt"]["messages"]))
-           for t in train.tasks + held.tasks}
-    worst = max(sig[a["task_id"]].jaccard(sig[b["task_id"]]) for a in train.tasks for b in held.tasks)
+    text = {t["task_id"]: request_text(t["prompt"]["messages"]) for t in train.tasks + held.tasks}
+    worst = max(jaccard(text[a["task_id"]], text[b["task_id"]]) for a in train.tasks for b in held.tasks)
     assert worst < cfg.evals.cluster_jaccard

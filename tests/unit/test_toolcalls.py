@@ -1,4 +1,4 @@
-"""Tool-call parsing and canonical formatting (flywheel.verifiers.toolcalls)."""
+"""Tool-call parsing and canonical formatting (flywheel.vocab.toolcalls)."""
 
 from __future__ import annotations
 

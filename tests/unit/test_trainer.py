@@ -7,6 +7,7 @@ import socket
 import pytest
 import torch
 
+from flywheel.config import ObjectiveConfig, TrainConfig
 from flywheel.train.data import TrainSample, make_micro_batches
 from flywheel.train.trainer import (
     Trainer,
@@ -84,7 +85,8 @@ def test_token_budget_is_respected():
 
 def _grads_after_one_step(objective: str, budget: int) -> dict[str, torch.Tensor]:
     model = tiny_lm()
-    tr = Trainer(model, TrainerOptions(objective=objective, lr=1e-3, lora_r=0, micro_batch_tokens=budget, grad_clip=1e9))
+    tr = Trainer(model, TrainerOptions(objective=objective, lr=1e-3,
+                                       train=TrainConfig(lora_r=0, micro_batch_tokens=budget, grad_clip=1e9)))
     captured = {}
     orig = tr.optimizer.step
 
@@ -111,7 +113,8 @@ def test_gradient_accumulation_reproduces_the_full_batch_gradient(objective):
 def test_lora_changes_adapter_weights_only():
     model = tiny_lm()
     base_before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tr = Trainer(model, TrainerOptions(objective="dapo", lr=1e-2, lora_r=4, lora_alpha=8, total_steps=3, warmup_steps=0))
+    tr = Trainer(model, TrainerOptions(objective="dapo", lr=1e-2, total_steps=3,
+                                       train=TrainConfig(lora_r=4, lora_alpha=8, warmup_steps=0)))
     lora_before = {n: p.detach().clone() for n, p in tr.policy.named_parameters() if "lora_" in n}
     assert lora_before, "no LoRA parameters were created"
     for _ in range(3):
@@ -128,7 +131,7 @@ def test_lora_changes_adapter_weights_only():
 def test_full_finetune_changes_every_weight():
     model = tiny_lm()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tr = Trainer(model, TrainerOptions(objective="sft", lr=1e-2, lora_r=0, total_steps=2, warmup_steps=0))
+    tr = Trainer(model, TrainerOptions(objective="sft", lr=1e-2, total_steps=2, train=TrainConfig(lora_r=0, warmup_steps=0)))
     tr.step(batch())
     tr.step(batch())
     for n, p in tr.policy.named_parameters():
@@ -143,10 +146,8 @@ def test_schedule_warmup_then_cosine():
 
 
 def test_beta_with_lora_uses_the_disabled_adapter_as_reference():
-    from flywheel.train.objective import ObjectiveConfig
-
-    tr = Trainer(tiny_lm(), TrainerOptions(objective="dapo", lr=5e-2, lora_r=4, total_steps=4, warmup_steps=0,
-                                           loss_config=ObjectiveConfig(beta=0.1)))
+    tr = Trainer(tiny_lm(), TrainerOptions(objective="dapo", lr=5e-2, total_steps=4, train=TrainConfig(
+        lora_r=4, warmup_steps=0, objective=ObjectiveConfig(beta=0.1))))
     m0 = tr.step(batch())
     assert m0.stats["kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA B = 0: policy == reference
     tr.step(batch())
@@ -169,9 +170,10 @@ def test_deepspeed_zero1_on_cpu_matches_plain_step(monkeypatch):
                  "MASTER_PORT": str(_free_port())}.items():
         monkeypatch.setenv(k, v)
     cfg = Path(__file__).resolve().parents[2] / "infra" / "deepspeed" / "zero1.json"
-    plain = Trainer(tiny_lm(), TrainerOptions(objective="dapo", lr=1e-2, lora_r=0, micro_batch_tokens=8, warmup_steps=0))
-    ds = Trainer(tiny_lm(), TrainerOptions(objective="dapo", lr=1e-2, lora_r=0, micro_batch_tokens=8, warmup_steps=0,
-                                           deepspeed=str(cfg)))
+    plain = Trainer(tiny_lm(), TrainerOptions(objective="dapo", lr=1e-2,
+                                              train=TrainConfig(lora_r=0, micro_batch_tokens=8, warmup_steps=0)))
+    ds = Trainer(tiny_lm(), TrainerOptions(objective="dapo", lr=1e-2, train=TrainConfig(
+        lora_r=0, micro_batch_tokens=8, warmup_steps=0, deepspeed=str(cfg))))
     assert ds.engine is not None and ds.engine.zero_optimization_stage() == 1
     mp, md = plain.step(batch()), ds.step(batch())
     # Same data, same init, same optimizer: the same update (ZeRO-1 with one rank shards nothing).

@@ -104,3 +104,35 @@ def test_choose_mode():
     assert choose_mode(0.5, 0.0, threshold=0.9)[0] == "sft"
     assert choose_mode(0.95, 0.2, threshold=0.9)[0] == "sft"
     assert choose_mode(0.5, 0.2, threshold=0.9)[0] == "grpo"
+
+
+def _publish_sampled_at(store, artifacts, rid: str, temperature: float) -> str:
+    from flywheel.store import NewEvent
+
+    ref = artifacts.put_table(rollout_table())
+    eid = f"rollouts:{rid}"
+    store.append(eid, NewEvent("rollouts.published", {
+        "entity_id": eid, "artifact": {"sha256": ref.sha256, "rows": ref.rows}, "env_ids": ["env:train@1"],
+        "policy": "model:base/tiny", "stats": {}, "params": {"temperature": temperature, "n": 4},
+    }, ["env:train@1"]))
+    return eid
+
+
+@pytest.mark.parametrize("sampled,rollout_t,needle", [
+    (0.7, 1.0, "sampled at temperature 0.7 but the objective computes log-probs at 1.0"),
+    (0.0, 1.0, "sampled greedily \\(temperature 0\\)"),
+    (1.0, 0.0, "rollout.temperature is 0 \\(greedy\\)"),
+])
+def test_grpo_refuses_rollouts_sampled_at_another_temperature(cfg, store, sampled, rollout_t, needle):
+    """Finding: rollout.temperature and train.objective.temperature had to agree and nothing checked it.
+    The dataset records the temperature it was sampled at; GRPO refuses a mismatch, and greedy data,
+    before loading any model (base '/nonexistent' would fail later)."""
+    from flywheel.artifacts import open_artifacts
+    from flywheel.tracking import Tracker
+    from flywheel.train.stage import TrainStageError, train_grpo
+
+    cfg.rollout.temperature = rollout_t
+    artifacts = open_artifacts(cfg)
+    rid = _publish_sampled_at(store, artifacts, "t", sampled)
+    with pytest.raises(TrainStageError, match=needle):
+        train_grpo(cfg, store, artifacts, Tracker(cfg), [rid], base="/nonexistent")

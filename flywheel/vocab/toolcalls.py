@@ -19,6 +19,13 @@ before parsing (a bound on parser time and memory, not on legitimate calls).
 ``ParseResult.format == "none"`` means no call was found: ``error`` is None for plain prose and names
 the problem when something call-shaped failed to parse (a malformed call is a different failure kind
 from no call at all).
+
+The arguments of an OpenAI ``tool_calls`` entry follow one rule everywhere (classification, eval
+compilation, rewards): :func:`decode_arguments`. Empty or whitespace-only text, ``null`` and a missing
+``arguments`` key are the empty object ``{}`` (a function without parameters); JSON that is not an
+object, invalid JSON and non-finite numbers (``NaN``, ``Infinity``, ``1e999``) are errors. Duplicate
+keys keep the last value (as ``json.loads`` does and as OpenAI's own parser does).
+:func:`decode_tool_calls` applies it call by call, so one malformed call does not hide the others.
 """
 
 from __future__ import annotations
@@ -31,7 +38,23 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["ToolCall", "ParseResult", "parse_tool_calls", "format_tool_calls", "MAX_TEXT_CHARS"]
+import orjson
+
+from flywheel.vocab.messages import text_of
+from flywheel.vocab.tools import call_function
+
+__all__ = [
+    "ToolCall",
+    "ParseResult",
+    "parse_tool_calls",
+    "format_tool_calls",
+    "MAX_TEXT_CHARS",
+    "ArgumentsError",
+    "DecodedCall",
+    "decode_arguments",
+    "decode_tool_calls",
+    "loads_strict",
+]
 
 MAX_TEXT_CHARS = 200_000
 Format = Literal["openai", "json", "pythonic", "none"]
@@ -102,19 +125,82 @@ def _jsonify(v: Any, where: str) -> Any:
     raise _Reject(f"{where}: {type(v).__name__} is not a JSON value")
 
 
+class ArgumentsError(ValueError):
+    """A tool call's arguments break the rule of :func:`decode_arguments`; the message says why."""
+
+
+def _non_standard(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _json_error(raw: str, e: BaseException) -> str:
+    # orjson's wording ("unexpected end of data: line 1 column 16 (char 15)"), which classification
+    # details recorded before this rule was shared; json's when orjson accepts the text.
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError as oe:
+        return str(oe)
+    return str(e)
+
+
+def decode_arguments(raw: Any) -> dict[str, Any]:
+    """The arguments of a tool call as an object (the one rule, see the module docstring).
+
+    ``raw`` is the ``arguments`` value of a call: a JSON string (as OpenAI sends it), an object
+    (tolerated), or None (missing). Raises :class:`ArgumentsError`.
+    """
+    value = raw
+    if isinstance(raw, str):
+        if not raw.strip():
+            return {}
+        try:
+            # json, not orjson, for the value: orjson reads integers beyond 64 bits as floats.
+            value = json.loads(raw, parse_constant=_non_standard)
+        except (ValueError, RecursionError) as e:
+            raise ArgumentsError(f"arguments are not valid JSON ({_json_error(raw, e)})") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ArgumentsError(f"arguments are a JSON {type(value).__name__}, not an object")
+    try:
+        return _jsonify(value, "arguments")
+    except _Reject as e:
+        raise ArgumentsError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class DecodedCall:
+    """One ``tool_calls`` entry: ``arguments`` is None exactly when ``error`` says why they broke
+    the rule; ``raw`` is the arguments string as sent (None when it was not a string)."""
+
+    name: str
+    arguments: dict[str, Any] | None
+    raw: str | None
+    error: str | None = None
+
+
+def decode_tool_calls(tool_calls: Any) -> list[DecodedCall]:
+    """Every entry of a message's ``tool_calls``, decoded one by one (nested or flat entries)."""
+    out: list[DecodedCall] = []
+    for tc in tool_calls if isinstance(tool_calls, list) else ():
+        fn = call_function(tc)
+        name = fn.get("name")
+        raw = fn.get("arguments", fn.get("parameters"))
+        try:
+            args, err = decode_arguments(raw), None
+        except ArgumentsError as e:
+            args, err = None, str(e)
+        out.append(DecodedCall("" if name is None else str(name), args, raw if isinstance(raw, str) else None, err))
+    return out
+
+
 def _call(name: Any, args: Any, where: str) -> ToolCall:
     if not isinstance(name, str) or not name.strip():
         raise _Reject(f"{where}: missing function name")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError as e:
-            raise _Reject(f"{where}: arguments are not valid JSON ({e})") from None
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        raise _Reject(f"{where}: arguments must be an object, got {type(args).__name__}")
-    return ToolCall(name.strip(), _jsonify(args, f"{where}.arguments"))
+    try:
+        return ToolCall(name.strip(), decode_arguments(args))
+    except ArgumentsError as e:
+        raise _Reject(f"{where}: {e}") from None
 
 
 def _from_json_obj(obj: Any, where: str = "call") -> list[ToolCall]:
@@ -128,7 +214,7 @@ def _from_json_obj(obj: Any, where: str = "call") -> list[ToolCall]:
     if "tool_calls" in obj and isinstance(obj["tool_calls"], list):
         return _from_json_obj(obj["tool_calls"], where)
     if isinstance(obj.get("function"), dict):
-        fn = obj["function"]
+        fn = call_function(obj)
         return [_call(fn.get("name"), fn.get("arguments", fn.get("parameters")), where)]
     if "name" in obj:
         args = obj.get("arguments", obj.get("parameters", obj.get("args")))
@@ -243,16 +329,6 @@ def _parse_segment(text: str) -> tuple[list[ToolCall], Format]:
     return _parse_pythonic(text), "pythonic"
 
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return str(content)
-
-
 def _candidates(text: str) -> list[str]:
     """Segments worth trying, most specific first: tagged, fenced, the whole text, then the outermost
     bracketed or braced span (prose around the call)."""
@@ -285,9 +361,9 @@ def parse_tool_calls(message_or_text: dict | str | None) -> ParseResult:
                 return ParseResult(_from_json_obj(tcs, "tool_calls"), "openai")
             except _Reject as e:
                 return ParseResult([], "none", f"malformed tool_calls: {e}")
-        text = _content_text(message_or_text.get("content"))
+        text = text_of(message_or_text.get("content"))
     else:
-        text = _content_text(message_or_text)
+        text = text_of(message_or_text)
     if not text.strip():
         return ParseResult([], "none", None)
     if len(text) > MAX_TEXT_CHARS:
