@@ -19,6 +19,9 @@ paired items in each direction.
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py            # ~30-40 min on 2 cores
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --quick    # smaller wave, fewer unseen questions
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --json
+    # (a) already run: a home where the demo's wave 1 and cycle 1 ran, e.g. one that
+    # `benchmarks/demo_seeds.py --workdir W` keeps (W/seed-0); same --seed as that run
+    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --cycle-home W/seed-0 --seed 0
 
 Measured figures: docs/benchmarks.md ("Flywheel vs plain SFT").
 """
@@ -97,6 +100,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a smaller wave and fewer unseen questions")
     ap.add_argument("--home", help="keep the run's home here (default: a temporary directory)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cycle-home", help="reuse (a): a home where wave 1 and cycle 1 already ran (its last "
+                    "cycle.completed event gives the stages and timings); --seed must be that run's seed")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -104,7 +109,12 @@ def main() -> int:
 
     from flywheel import demo as d
 
-    home = Path(args.home or tempfile.mkdtemp(prefix="bench-flywheel-vs-sft-")) / "home"
+    if args.cycle_home:
+        home = Path(args.cycle_home).resolve()
+        if not (home / "warehouse.duckdb").is_file():
+            ap.error(f"--cycle-home {home}: no warehouse.duckdb there")
+    else:
+        home = Path(args.home or tempfile.mkdtemp(prefix="bench-flywheel-vs-sft-")) / "home"
     for k, v in prefect_environment(home).items():  # the embedded default, before prefect is imported
         os.environ.setdefault(k, v)
     from flywheel.flows.cycle import run_cycle
@@ -130,13 +140,22 @@ def main() -> int:
         open_artifacts(cfg)
         base_version, _ = d.ensure_champion(cfg, store, tracker)
     items = d.traffic_items(wave)
-    log(f"traffic: {len(items)} BFCL questions through the served base model …")
-    d.run_wave(cfg, "cpu", 1, items, config_path=None, overrides=overrides, ui=d.SILENT)
+    if args.cycle_home:
+        with open_store(cfg) as store:
+            done = store.read(types=["cycle.completed"], limit=1, newest_first=True)
+        if not done:
+            ap.error(f"--cycle-home {home}: no completed cycle there")
+        result = done[0].payload
+        cycle_s = float(result["wall_s"])
+        log(f"(a) the flywheel: reusing {done[0].stream} ({result['outcome']}, {cycle_s:.0f} s) in {home}")
+    else:
+        log(f"traffic: {len(items)} BFCL questions through the served base model …")
+        d.run_wave(cfg, "cpu", 1, items, config_path=None, overrides=overrides, ui=d.SILENT)
 
-    log("(a) the flywheel: one cycle …")
-    t0 = time.perf_counter()
-    result = run_cycle(cfg, overrides=overrides)
-    cycle_s = time.perf_counter() - t0
+        log("(a) the flywheel: one cycle …")
+        t0 = time.perf_counter()
+        result = run_cycle(cfg, overrides=overrides)
+        cycle_s = time.perf_counter() - t0
     tm = result.get("timings") or {}
     learning_s = sum(tm.get(k, 0.0) for k in ("synth", "rollouts", "train-sft", "rollouts-after-sft", "train-grpo"))
     st = result["stages"]
