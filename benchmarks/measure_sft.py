@@ -59,8 +59,8 @@ def main() -> None:
 
     from flywheel.artifacts import open_artifacts
     from flywheel.config import load_config
-    from flywheel.evaluate import load_policy_for_version
     from flywheel.policy.hf import HFPolicy
+    from flywheel.policy.registry import load_policy_for_version
     from flywheel.store import open_store
     from flywheel.tracking import Tracker
     from flywheel.train.sft import Demonstration

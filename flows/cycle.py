@@ -146,9 +146,8 @@ def rollout_stage(key: str, policy: str, correlation_id: str) -> dict:
 
 @task(name="train-sft", **STAGE)
 def sft_stage(key: str, base: str, correlation_id: str) -> dict:
-    from flywheel.envs import load_env
-    from flywheel.evals import load_suite
     from flywheel.train.stage import train_sft
+    from flywheel.versioning import load_env, load_suite
 
     r = _res()
     env = load_env(r.store, r.artifacts, r.cfg.cycle.train_env)

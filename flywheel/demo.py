@@ -371,10 +371,10 @@ def scoreboard(cfg: Any, store: Any, artifacts: Any, tracker: Any, cycles: list[
     Models already evaluated on that version (the last gate's two) come from the evaluation cache.
     """
     from flywheel.deploy import deployments
-    from flywheel.evals import load_suite
     from flywheel.evaluate import ModelRef, evaluate_model
     from flywheel.lineage import traces_of
     from flywheel.stats import wilson
+    from flywheel.versioning import load_suite
 
     name = cfg.cycle.model_name
     suite = load_suite(store, artifacts, cfg.cycle.heldout_suite)

@@ -340,7 +340,7 @@ class ChampionWatcher:
     champion synchronously (serving needs a model) and starts the polling thread; :meth:`check_now`
     does one poll-and-maybe-load in the calling thread (tests, SIGHUP).
 
-    ``loader(version) -> policy`` defaults to :func:`flywheel.evaluate.load_policy_for_version`;
+    ``loader(version) -> policy`` defaults to :func:`flywheel.policy.registry.load_policy_for_version`;
     ``alias_version() -> int | None`` defaults to reading the alias through the tracker.
     """
 
@@ -360,7 +360,7 @@ class ChampionWatcher:
 
             tracker = Tracker(cfg)
         if loader is None:
-            from flywheel.evaluate import load_policy_for_version
+            from flywheel.policy.registry import load_policy_for_version
 
             def loader(v: int) -> Any:
                 return load_policy_for_version(cfg, tracker, self.name, v)

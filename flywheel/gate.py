@@ -747,7 +747,7 @@ def _load_suite(store: Any, artifacts: Any, spec: Any, what: str) -> Any:
     a rule never passes) on a suite it could not read."""
     if not isinstance(spec, str):
         return spec
-    from flywheel.evals import load_suite, versioned_event
+    from flywheel.versioning import load_suite, versioned_event
 
     try:
         recorded = versioned_event(store, "suite", "suite.versioned", spec)

@@ -79,7 +79,7 @@ def train(
                 raise CliError("--mode auto needs --rollouts to measure the policy's zero-variance share")
             import torch
 
-            from flywheel.train.advantages import zero_variance_share
+            from flywheel.advantages import zero_variance_share
             from flywheel.train.data import load_rollout_tables
 
             zv, passed, n = 0.0, 0, 0
