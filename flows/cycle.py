@@ -36,6 +36,7 @@ from flywheel.flows.artifacts import publish_cycle, publish_stage
 from flywheel.flows.cycle_env import prefect_environment  # noqa: F401 - re-exported
 from prefect import flow, task
 
+from flywheel.champion import reconcile_champion
 from flywheel.cycle import (
     CycleResources,
     demonstrations_from_tasks,
@@ -46,7 +47,6 @@ from flywheel.cycle import (
     new_failures_since_last_cycle,
     summarize,
 )
-from flywheel.deploy import reconcile_champion
 from flywheel.sandbox import isolation_report
 from flywheel.store import NewEvent
 

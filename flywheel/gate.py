@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from flywheel.deploy import reconcile_champion
+from flywheel.champion import reconcile_champion
 from flywheel.stats import (
     BootstrapResult,
     items_needed,

@@ -35,7 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from flywheel.deploy import reconcile_champion
+from flywheel.champion import reconcile_champion
 from flywheel.policy.registry import ModelRefError, ResolvedPolicy, resolve_policy
 from flywheel.store import NewEvent
 from flywheel.vocab.ids import content_id, digest, short_id

@@ -17,7 +17,8 @@ import json
 import pytest
 
 from flywheel.artifacts import open_artifacts
-from flywheel.deploy import DeployError, PromotionRefused, deployments, promote, rollback
+from flywheel.champion import deployments
+from flywheel.deploy import DeployError, PromotionRefused, promote, rollback
 from flywheel.evaluate import ModelRef, evaluate_model
 from flywheel.gate import run_gate
 from flywheel.policy.base import Sample, SamplingParams
