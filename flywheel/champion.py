@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flywheel.store import EventStore
-from flywheel.tracking import Tracker
+
+if TYPE_CHECKING:  # annotation only: flywheel.tracking is the one module that imports mlflow
+    from flywheel.tracking import Tracker
 
 __all__ = ["CHAMPION", "Deployment", "Reconciliation", "deploy_stream", "deployments", "reconcile_champion"]
 
