@@ -112,9 +112,9 @@ def main() -> int:
 
     from flywheel.artifacts import open_artifacts
     from flywheel.config import load_config
-    from flywheel.cycle import demonstrations_from_tasks
     from flywheel.store import open_store
     from flywheel.tracking import Tracker
+    from flywheel.train.demos import demonstrations_from_tasks
     from flywheel.train.stage import train_sft
     from flywheel.versioning import load_suite
 

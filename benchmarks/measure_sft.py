@@ -63,7 +63,7 @@ def main() -> None:
     from flywheel.policy.registry import load_policy_for_version
     from flywheel.store import open_store
     from flywheel.tracking import Tracker
-    from flywheel.train.sft import Demonstration
+    from flywheel.train.demos import Demonstration
     from flywheel.train.stage import train_sft
     from flywheel.verifiers.bfcl import load_bfcl, reference_calls
 

@@ -39,7 +39,6 @@ from prefect import flow, task
 from flywheel.champion import reconcile_champion
 from flywheel.cycle import (
     CycleResources,
-    demonstrations_from_tasks,
     failure_watermark,
     inputs_key,
     is_infra_error,
@@ -49,6 +48,7 @@ from flywheel.cycle import (
 )
 from flywheel.sandbox import isolation_report
 from flywheel.store import NewEvent
+from flywheel.train.demos import demonstrations_from_tasks
 
 # The resources of the running cycle (one writer connection per process): set by the flow, read by
 # its tasks. Tasks get only plain values as parameters so Prefect can record and hash them.

@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
 def _demonstrations(path: Path) -> list:
     """JSON lines: {messages, tools?, source_entity_id, split, answer_calls?: [{name, arguments}], answer_content?}."""
-    from flywheel.train.sft import Demonstration
+    from flywheel.train.demos import Demonstration
     from flywheel.verifiers import ToolCall
 
     demos = []

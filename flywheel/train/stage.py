@@ -37,7 +37,7 @@ import pyarrow as pa
 from flywheel.config import objective_temperature
 from flywheel.policy.registry import ModelRefError, version_files
 from flywheel.tracking import DatasetSpec
-from flywheel.train.sft import Demonstration
+from flywheel.train.demos import Demonstration, check_demonstrations
 from flywheel.vocab.ids import canonical_json, json_id
 from flywheel.vocab.refs import parse_model_entity
 
@@ -367,11 +367,11 @@ def train_sft(
 ) -> TrainResult:
     """Supervised warm start on demonstrations (answer tokens only); registers the result as ``challenger``.
 
-    Refuses held-out demonstrations (:class:`flywheel.train.sft.HeldOutDemonstrationError`) before
+    Refuses held-out demonstrations (:class:`flywheel.train.demos.HeldOutDemonstrationError`) before
     loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
     ``cfg.train.sft_lr`` unless ``steps``/``lr`` say otherwise; every other knob is ``cfg.train``.
     """
-    from flywheel.train.sft import check_demonstrations, demonstration_samples
+    from flywheel.train.sft import demonstration_samples
     from flywheel.train.trainer import batches
 
     if not demonstrations:
