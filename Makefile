@@ -57,6 +57,7 @@ test-fast: setup $(OTEL23_STAMP)
 
 lint: setup
 	$(BIN)/ruff check flywheel flows kernels tests benchmarks
+	$(BIN)/python -m pytest -q tests/unit/test_layers.py
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

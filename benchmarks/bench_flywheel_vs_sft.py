@@ -52,8 +52,9 @@ def unseen_suite(offsets: dict[str, int], counts: dict[str, int]) -> Any:
     """BFCL questions after the wave's, compiled exactly as the evals stage compiles a failure with
     its correction (so the same verifier scores them)."""
     from flywheel.envs.testing import failure_payload
-    from flywheel.evals import CompileSkip, Suite, compile_failure, suite_version_hash
+    from flywheel.evals import CompileSkip, compile_failure
     from flywheel.verifiers.bfcl import bfcl_answer_to_expected, load_bfcl
+    from flywheel.versioning import Suite, suite_version_hash
 
     tasks = []
     for cat, n in counts.items():
@@ -121,11 +122,11 @@ def main() -> int:
 
     from flywheel.artifacts import open_artifacts
     from flywheel.config import load_config
-    from flywheel.cycle import demonstrations_from_tasks
-    from flywheel.evals import load_suite
     from flywheel.store import open_store
     from flywheel.tracking import Tracker
+    from flywheel.train.demos import demonstrations_from_tasks
     from flywheel.train.stage import train_sft
+    from flywheel.versioning import load_suite
 
     overrides = d.demo_overrides("cpu", home, args.seed)
     cfg = load_config(environ={k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}, overrides=overrides)

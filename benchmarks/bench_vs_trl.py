@@ -272,9 +272,9 @@ def run_flywheel(spec: BenchSpec, ro: Rollouts) -> dict[str, Any]:
     """``warmup_steps + steps`` optimizer steps of ``flywheel.train.trainer.Trainer`` on ``ro``."""
     import torch
 
+    from flywheel.advantages import compute_advantages
     from flywheel.config import TrainConfig
     from flywheel.policy.models import load_model
-    from flywheel.train.advantages import compute_advantages
     from flywheel.train.data import TrainSample
     from flywheel.train.trainer import Trainer, TrainerOptions
 

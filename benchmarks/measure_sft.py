@@ -59,11 +59,11 @@ def main() -> None:
 
     from flywheel.artifacts import open_artifacts
     from flywheel.config import load_config
-    from flywheel.evaluate import load_policy_for_version
     from flywheel.policy.hf import HFPolicy
+    from flywheel.policy.registry import load_policy_for_version
     from flywheel.store import open_store
     from flywheel.tracking import Tracker
-    from flywheel.train.sft import Demonstration
+    from flywheel.train.demos import Demonstration
     from flywheel.train.stage import train_sft
     from flywheel.verifiers.bfcl import load_bfcl, reference_calls
 

@@ -36,9 +36,9 @@ from flywheel.flows.artifacts import publish_cycle, publish_stage
 from flywheel.flows.cycle_env import prefect_environment  # noqa: F401 - re-exported
 from prefect import flow, task
 
+from flywheel.champion import reconcile_champion
 from flywheel.cycle import (
     CycleResources,
-    demonstrations_from_tasks,
     failure_watermark,
     inputs_key,
     is_infra_error,
@@ -46,9 +46,9 @@ from flywheel.cycle import (
     new_failures_since_last_cycle,
     summarize,
 )
-from flywheel.deploy import reconcile_champion
 from flywheel.sandbox import isolation_report
 from flywheel.store import NewEvent
+from flywheel.train.demos import demonstrations_from_tasks
 
 # The resources of the running cycle (one writer connection per process): set by the flow, read by
 # its tasks. Tasks get only plain values as parameters so Prefect can record and hash them.
@@ -146,9 +146,8 @@ def rollout_stage(key: str, policy: str, correlation_id: str) -> dict:
 
 @task(name="train-sft", **STAGE)
 def sft_stage(key: str, base: str, correlation_id: str) -> dict:
-    from flywheel.envs import load_env
-    from flywheel.evals import load_suite
     from flywheel.train.stage import train_sft
+    from flywheel.versioning import load_env, load_suite
 
     r = _res()
     env = load_env(r.store, r.artifacts, r.cfg.cycle.train_env)

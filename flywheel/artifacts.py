@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -67,7 +68,8 @@ class ArtifactRef:
         return cls(sha256=d["sha256"], ext=d.get("ext", "parquet"), size=d.get("size", 0), rows=d.get("rows"))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so a rename in it survives a crash (a no-op where it cannot be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -124,7 +126,7 @@ class ArtifactStore:
                             "just written", final)
             os.chmod(tmp, 0o600)
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         return final
 
     # -- writing -------------------------------------------------------------------------------
@@ -281,6 +283,23 @@ class _TableWriter:
         if not self._closed:
             self._w.close()
             self._closed = True
+
+
+def load_traces(artifacts: ArtifactStore, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Full redacted traces for ``trace.ingested`` payloads (or states), in the given order.
+
+    Ingest keeps each redacted trace in a per-batch Parquet artifact and only a reference
+    ``trace: {sha256, row}`` in the event. Reads each referenced artifact once (hash-verified),
+    whatever the number of payloads."""
+    by_sha: dict[str, list[int]] = {}
+    for p in payloads:
+        by_sha.setdefault(p["trace"]["sha256"], []).append(p["trace"]["row"])
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for sha, wanted in by_sha.items():
+        col = artifacts.read_table(sha, columns=["trace"]).column("trace")
+        for r in set(wanted):
+            rows[(sha, r)] = orjson.loads(col[r].as_py())
+    return [rows[(p["trace"]["sha256"], p["trace"]["row"])] for p in payloads]
 
 
 def open_artifacts(cfg: Any) -> ArtifactStore:

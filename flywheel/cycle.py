@@ -6,9 +6,6 @@ that must be testable without Prefect:
 - :func:`inputs_key`: the cache key of a stage, a hash of the *entity versions* it consumes, so a
   re-run after a crash skips stages whose inputs did not change;
 - :func:`new_failures_since_last_cycle`: the "nothing new to learn" early exit;
-- :func:`demonstrations_from_tasks`: SFT demonstrations from the training environment (train-split
-  corrections, accepted synthetic references) and regression evals (successful traces); held-out
-  tasks never become demonstrations;
 - :class:`CycleResources`: the store, artifact store and tracker one cycle shares between stages.
 """
 
@@ -79,41 +76,6 @@ def new_failures_since_last_cycle(store: Any) -> tuple[int, int | None]:
     after = last["seq"] if last else 0
     n, _ = store.event_stats(["failure.classified"], after_seq=after)
     return n, (last["seq"] if last else None)
-
-
-def demonstrations_from_tasks(train_tasks: list[dict], regression_tasks: list[dict] | None = None) -> list[Any]:
-    """SFT demonstrations: the reference answer of every train-split task (corrections of train
-    failures, references of accepted synthetic tasks) and of every regression task (the recorded
-    answers of successful production traces). Tasks whose split is ``heldout`` are skipped here and
-    would be refused by :func:`flywheel.train.sft.check_demonstrations` anyway."""
-    from flywheel.train.sft import Demonstration
-    from flywheel.verifiers import ToolCall
-
-    demos = []
-    for t in list(train_tasks) + list(regression_tasks or []):
-        meta = t.get("metadata") or {}
-        split = meta.get("split", "train")
-        if split == "heldout":
-            continue
-        ref = t.get("reference")
-        if not ref:
-            continue
-        calls = ref.get("tool_calls")
-        kw: dict[str, Any] = {}
-        if calls:
-            kw["answer_calls"] = [ToolCall(c["name"], c.get("arguments") or {}) for c in calls]
-        elif ref.get("content") is not None:
-            kw["answer_content"] = ref["content"]
-        else:
-            continue
-        # The source must be an entity of the store so lineage reaches the failures: a synthetic task
-        # is named by its batch (synth:<batch>, caused by its seed evals), an eval by its own id.
-        source = meta.get("synth_batch") or t["task_id"]
-        demos.append(Demonstration(
-            messages=t["prompt"]["messages"], tools=t["prompt"].get("tools") or None,
-            source_entity_id=source, split="train" if split == "regression" else split, **kw,
-        ))
-    return demos
 
 
 @dataclass

@@ -131,7 +131,8 @@ def ensure_champion(cfg: Any, store: Any, tracker: Any) -> tuple[int, bool]:
 
     Idempotent: an existing champion is kept (a re-run of the demo continues from it).
     """
-    from flywheel.deploy import promote, reconcile_champion
+    from flywheel.champion import reconcile_champion
+    from flywheel.deploy import promote
     from flywheel.policy.models import ensure_base_model
     from flywheel.store import NewEvent
 
@@ -370,11 +371,11 @@ def scoreboard(cfg: Any, store: Any, artifacts: Any, tracker: Any, cycles: list[
 
     Models already evaluated on that version (the last gate's two) come from the evaluation cache.
     """
-    from flywheel.deploy import deployments
-    from flywheel.evals import load_suite
+    from flywheel.champion import deployments
     from flywheel.evaluate import ModelRef, evaluate_model
     from flywheel.lineage import traces_of
     from flywheel.stats import wilson
+    from flywheel.versioning import load_suite
 
     name = cfg.cycle.model_name
     suite = load_suite(store, artifacts, cfg.cycle.heldout_suite)

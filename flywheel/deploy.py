@@ -14,8 +14,8 @@ Guarantees
   the deploy stream, so two concurrent promoters cannot both record a move from the same champion,
   and a refused or failed append leaves the alias untouched. A process killed between the two steps
   (or an MLflow error in the second) leaves a move that is recorded but not applied: the alias still
-  names the previous champion, which is the recorded move's ``from``. :func:`reconcile_champion`
-  completes such a move, and it runs at start-up of everything that acts on the champion:
+  names the previous champion, which is the recorded move's ``from``.
+  :func:`flywheel.champion.reconcile_champion` completes such a move, and it runs at start-up of everything that acts on the champion:
   :func:`promote`, :func:`rollback`, the gate (:func:`flywheel.gate.run_gate`), rollouts from the
   champion, the cycle flow, the demo's bootstrap and ``flywheel serve --champion``. (The reverse order, used before, could leave an
   unrecorded champion that ``rollback`` could not resolve.)
@@ -28,7 +28,7 @@ Guarantees
   policy finishes on it. A version that fails to load is logged and the old one keeps serving.
 
 Not guaranteed: alias changes made outside flywheel (MLflow UI) are *served* (the watcher follows
-the alias) but not recorded in the deployment history; :func:`reconcile_champion` reports them as
+the alias) but not recorded in the deployment history; :func:`flywheel.champion.reconcile_champion` reports them as
 ``diverged`` and leaves them alone. ``flywheel serve --champion`` reconciles once at start-up, when
 the event store is free; a move interrupted while it runs is served once the next command that acts
 on the champion completes it (the watcher then swaps within ``poll_alias_s``).
@@ -42,15 +42,12 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from flywheel.champion import CHAMPION, Deployment, deploy_stream, deployments, reconcile_champion
 from flywheel.store import NewEvent
 
 log = logging.getLogger(__name__)
-
-CHAMPION = "champion"
-
 
 class DeployError(RuntimeError):
     """A deployment action could not be carried out (unknown version, nothing to roll back to)."""
@@ -58,23 +55,6 @@ class DeployError(RuntimeError):
 
 class PromotionRefused(DeployError):
     """Promotion refused by policy (no passing gate decision); ``--force --reason`` overrides."""
-
-
-@dataclass(frozen=True)
-class Deployment:
-    action: str  # "promote" | "rollback"
-    model: str
-    from_version: int | None
-    to_version: int
-    gate: str | None
-    forced: bool
-    reason: str | None
-    user: str
-    at: str
-    seq: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def current_user() -> str:
@@ -86,10 +66,6 @@ def current_user() -> str:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
-
-
-def deploy_stream(name: str) -> str:
-    return f"deploy:{name}"
 
 
 def latest_suite_id(store: Any, suite_name: str) -> str | None:
@@ -125,43 +101,6 @@ def find_gate_decision(
             continue
         matches.append(p)
     return matches[-1] if matches else None
-
-
-@dataclass(frozen=True)
-class Reconciliation:
-    """What :func:`reconcile_champion` found and did. ``action``: ``in_sync`` (the alias is the last
-    recorded move's target, or there is no history and no alias), ``completed`` (a recorded move the
-    alias had not followed was applied), ``diverged`` (the alias was set outside flywheel: left
-    alone), ``unrecorded`` (an alias and no deployment history)."""
-
-    model: str
-    action: str
-    alias_before: int | None
-    recorded: int | None
-
-    @property
-    def champion(self) -> int | None:
-        return self.recorded if self.action == "completed" else self.alias_before
-
-
-def reconcile_champion(store: Any, tracker: Any, name: str) -> Reconciliation:
-    """Bring the ``champion`` alias in line with the deployment history (see the module docstring)."""
-    history = deployments(store, name)
-    alias = tracker.get_alias_version(name, CHAMPION)
-    if not history:
-        return Reconciliation(name, "unrecorded" if alias is not None else "in_sync", alias, None)
-    last = history[-1]
-    if alias == last.to_version:
-        return Reconciliation(name, "in_sync", alias, last.to_version)
-    if alias == last.from_version:
-        # Recorded, never applied: the process stopped between the append and the alias move.
-        tracker.set_alias(name, CHAMPION, last.to_version)
-        log.warning("completed the interrupted %s of %s: champion %s -> %s (recorded at seq %s)",
-                    last.action, name, alias, last.to_version, last.seq)
-        return Reconciliation(name, "completed", alias, last.to_version)
-    log.warning("the champion alias of %s (version %s) is not the last recorded deployment (version %s): it "
-                "was moved outside flywheel; left as it is", name, alias, last.to_version)
-    return Reconciliation(name, "diverged", alias, last.to_version)
 
 
 def _record_then_move(store: Any, tracker: Any, name: str, event: NewEvent, expected: int, target: int,
@@ -264,20 +203,6 @@ def promote(
     return Deployment(**{**dep.to_json(), "seq": seq})
 
 
-def deployments(store: Any, name: str) -> list[Deployment]:
-    """The deployment history of ``name``, oldest first."""
-    out = []
-    for ev in store.read(stream=deploy_stream(name), types=["model.promoted", "model.rolled_back"]):
-        p = ev.payload
-        out.append(Deployment(
-            action=p.get("action", "promote" if ev.type == "model.promoted" else "rollback"),
-            model=p.get("model", name), from_version=p.get("from_version"), to_version=int(p["to_version"]),
-            gate=p.get("gate"), forced=bool(p.get("forced")), reason=p.get("reason"),
-            user=p.get("user", "unknown"), at=p.get("at") or str(ev.recorded_at), seq=ev.seq,
-        ))
-    return out
-
-
 def rollback(
     cfg: Any,
     store: Any,
@@ -340,7 +265,7 @@ class ChampionWatcher:
     champion synchronously (serving needs a model) and starts the polling thread; :meth:`check_now`
     does one poll-and-maybe-load in the calling thread (tests, SIGHUP).
 
-    ``loader(version) -> policy`` defaults to :func:`flywheel.evaluate.load_policy_for_version`;
+    ``loader(version) -> policy`` defaults to :func:`flywheel.policy.registry.load_policy_for_version`;
     ``alias_version() -> int | None`` defaults to reading the alias through the tracker.
     """
 
@@ -360,7 +285,7 @@ class ChampionWatcher:
 
             tracker = Tracker(cfg)
         if loader is None:
-            from flywheel.evaluate import load_policy_for_version
+            from flywheel.policy.registry import load_policy_for_version
 
             def loader(v: int) -> Any:
                 return load_policy_for_version(cfg, tracker, self.name, v)

@@ -4,39 +4,9 @@ One eval case per distinct failure (ingest already deduplicated them), with a ve
 the failure kind, a stable train/held-out split by failure cluster (:mod:`flywheel.split`), and
 versioned suites. Successful traces become regression evals in their own suite.
 
-The task record (the contract rollouts, synth, SFT and the gate consume)
-------------------------------------------------------------------------
-A JSON-serialisable dict::
-
-    {"task_id": "eval:<16 hex>",
-     "prompt": {"messages": [...OpenAI messages...], "tools": [...OpenAI function specs...]},
-     "verifier": <verifier spec, see flywheel.verifiers>,
-     "harness": "single_turn" | "tool_loop",
-     "tool_env": null | {"recorded": [{"name", "arguments", "content"}], "python": <source> | null,
-                         "replay": bool},
-     "reference": {"tool_calls": [{"name", "arguments"}]} | {"content": str} | null,
-     "metadata": {"failure_kinds", "tools": [names], "source", "split", "cluster", "origin_failure",
-                  "origin_trace", "weak", "deterministic", "verifier_kind", "request_hash",
-                  "tool_schema_sources": {name: "trace" | "registry" | "none"}}}
-
-- ``reference`` is one concrete correct answer when one is known (from a correction: each argument's
-  literal, or the first allowed value of a ``one_of``; optional arguments are omitted unless the tool
-  schema requires them, as :func:`flywheel.verifiers.bfcl.reference_calls` does). SFT renders it with
-  :func:`flywheel.policy.format.render_answer`; synth uses it to prove a variant solvable.
-- ``tool_env`` is for :mod:`flywheel.envs.harness`: recorded tool outputs matched by tool name and
-  arguments, or Python source defining one function per tool, run in the sandbox. ``replay``: the
-  harness executes the answer's calls against ``python`` and fails the episode if one raises
-  (``runtime_exception`` evals). Regression evals from multi-turn traces use a ``tool_call`` spec
-  with ``scope: "all"``: every call the model makes during the episode is matched as one answer.
-- ``metadata.split``: ``train`` | ``heldout`` | ``excluded`` (bridges both sides, see
-  :mod:`flywheel.split`) | ``regression``. ``weak``: the verifier checks validity only (no
-  correction was known, or a tool it calls has no schema). ``deterministic``: false for ``llm_judge``.
-- ``metadata.tool_schema_sources``: where each tool's schema came from: the trace itself, the
-  ``[ingest] tool_registry``, or nowhere (the telemetry recorded the call but not the definition:
-  :mod:`flywheel.tool_registry`). A tool with no schema is offered to the model under its name with
-  an open ``{"type": "object"}`` parameters schema, so the verifier checks only what it can (the
-  name, that the arguments are an object, the values a correction or the recorded call gives) and
-  the eval is marked weak.
+Each eval is a task record (the contract of :mod:`flywheel.tasks`) whose ``metadata`` also carries
+``failure_kinds``, ``source``, ``split``, ``cluster``, ``origin_failure``, ``origin_trace``, ``weak``,
+``deterministic``, ``verifier_kind``, ``request_hash`` and ``tool_schema_sources``.
 
 Verifier per failure kind (first rule that applies)
 ---------------------------------------------------
@@ -100,11 +70,13 @@ import pyarrow as pa
 
 from flywheel.split import REQUEST_TEXT_VERSION, SplitIndex, request_hash, request_key
 from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore
+from flywheel.tasks import task_from_state
 from flywheel.tool_registry import SOURCES_KEY
-from flywheel.vocab.ids import canonical_json, digest, short_id
+from flywheel.versioning import version_suite
+from flywheel.vocab.ids import canonical_json, short_id
 from flywheel.vocab.kinds import SUITES, TOOL_CALL_KINDS
 from flywheel.vocab.messages import last_index, text_of
-from flywheel.vocab.refs import parse_versioned_ref, with_prefix
+from flywheel.vocab.refs import with_prefix
 from flywheel.vocab.toolcalls import decode_tool_calls
 from flywheel.vocab.tools import called_names, tool_name, tool_parameters
 
@@ -112,32 +84,21 @@ from flywheel.vocab.tools import called_names, tool_name, tool_parameters
 # (tools without a schema get an open placeholder).
 COMPILER_VERSION = 2
 
-TASK_KEYS = ("task_id", "prompt", "verifier", "harness", "tool_env", "reference", "metadata")
-HARNESSES = ("single_turn", "tool_loop")
 
 __all__ = [
     "COMPILER_VERSION",
     "CompileSkip",
     "EvalsSummary",
-    "Suite",
     "build_evals",
     "compile_failure",
     "compile_success",
     "eval_id",
-    "load_suite",
     "reference_from_correction",
-    "suite_version_hash",
-    "task_from_state",
-    "validate_task",
 ]
 
 
 class CompileSkip(ValueError):
     """A failure or trace cannot become an eval; the message says why (reported, never fatal)."""
-
-
-class TaskError(ValueError):
-    """A task record breaks the contract; the message names the task and the field."""
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -396,12 +357,6 @@ def trace_correction(state: dict) -> list[dict] | None:
     return None
 
 
-def trace_status(state: dict) -> str | None:
-    _, _, outcome = _trace_fields(state)
-    trace = state.get("trace") if isinstance(state.get("trace"), dict) else state
-    return state.get("status") or trace.get("status") or outcome.get("status")
-
-
 def compile_success(trace_id: str, state: dict) -> dict:
     """Compile a successful trace into a regression task record (the recorded answer must verify).
 
@@ -505,124 +460,6 @@ def compile_success(trace_id: str, state: dict) -> dict:
     }
 
 
-def validate_task(task: Any) -> dict:
-    """Check a task record against the contract; raise :class:`TaskError` naming what is wrong."""
-    if not isinstance(task, dict):
-        raise TaskError(f"a task must be a dict, got {type(task).__name__}")
-    tid = task.get("task_id", "<no task_id>")
-    missing = [k for k in ("task_id", "prompt", "verifier", "harness") if k not in task]
-    if missing:
-        raise TaskError(f"task {tid}: missing {', '.join(missing)}")
-    if not isinstance(task["task_id"], str) or ":" not in task["task_id"]:
-        raise TaskError(f"task {tid}: task_id must be a typed id like 'eval:<id>' or 'synth:<id>'")
-    p = task["prompt"]
-    if not isinstance(p, dict) or not isinstance(p.get("messages"), list) or not p["messages"]:
-        raise TaskError(f"task {tid}: prompt.messages must be a non-empty list")
-    if not isinstance(p.get("tools", []), list):
-        raise TaskError(f"task {tid}: prompt.tools must be a list")
-    if not isinstance(task["verifier"], dict) or not task["verifier"].get("kind"):
-        raise TaskError(f"task {tid}: verifier must be a spec dict with a 'kind'")
-    if task["harness"] not in HARNESSES:
-        raise TaskError(f"task {tid}: harness must be one of {HARNESSES}, got {task['harness']!r}")
-    if task["harness"] == "tool_loop":
-        env = task.get("tool_env")
-        if not isinstance(env, dict) or not (env.get("recorded") or env.get("python")):
-            raise TaskError(f"task {tid}: a tool_loop task needs tool_env.recorded or tool_env.python")
-    try:
-        canonical_json(task)
-    except (TypeError, ValueError) as e:
-        raise TaskError(f"task {tid}: not JSON-serialisable: {e}") from None
-    out = {k: task.get(k) for k in TASK_KEYS}
-    out["metadata"] = dict(task.get("metadata") or {})
-    return out
-
-
-def task_from_state(state: dict) -> dict:
-    """The task record inside an ``eval.created`` payload (the payload minus event-only keys)."""
-    return {k: state.get(k) for k in TASK_KEYS}
-
-
-# --------------------------------------------------------------------------------- suites
-@dataclass
-class Suite:
-    entity_id: str
-    name: str
-    version: int
-    version_hash: str
-    tasks: list[dict]
-    artifact: dict = field(default_factory=dict)
-
-    @property
-    def task_ids(self) -> list[str]:
-        return [t["task_id"] for t in self.tasks]
-
-
-def suite_version_hash(name: str, members: list[dict]) -> str:
-    body = canonical_json({"name": name, "members": sorted(members, key=lambda t: t["task_id"])})
-    return digest(body)
-
-
-def versioned_event(store: EventStore, kind: str, type_: str, ref: str):
-    """The ``<kind>.versioned`` event for ``name`` (latest) or ``name@N``; ``None`` if absent."""
-    name, version = parse_versioned_ref(ref, kind)
-    events = store.read(stream=f"{kind}:{name}", types=type_)
-    if not events:
-        return None
-    if version is None:
-        return events[-1]
-    for e in events:
-        if e.payload.get("version") == version:
-            return e
-    return None
-
-
-def load_suite(store: EventStore, artifacts: Any, ref: str) -> Suite:
-    """Load ``"heldout"`` (latest version), ``"heldout@3"`` or ``"suite:heldout@3"``.
-
-    Raises ``LookupError`` naming the suite when it has no such version. The artifact is hash
-    verified on read (:class:`flywheel.artifacts.ArtifactCorruptError` if it was tampered with).
-    """
-    ev = versioned_event(store, "suite", "suite.versioned", ref)
-    if ev is None:
-        raise LookupError(f"suite {ref!r} has no such version; run `flywheel evals build` first")
-    p = ev.payload
-    body = artifacts.read_json(p["artifact"]["sha256"])
-    return Suite(p["entity_id"], p["name"], int(p["version"]), p["version_hash"], body["members"], p["artifact"])
-
-
-def _version_suite(
-    store: EventStore, artifacts: Any, name: str, members: list[dict], correlation_id: str | None
-) -> tuple[str, bool]:
-    """Append a new suite version unless the latest has the same hash. Returns (entity id, new?)."""
-    members = sorted(members, key=lambda t: t["task_id"])
-    vh = suite_version_hash(name, members)
-    stream = f"suite:{name}"
-    latest = store.read(stream=stream, types="suite.versioned")
-    if latest and latest[-1].payload.get("version_hash") == vh:
-        return latest[-1].payload["entity_id"], False
-    current = store.stream_version(stream)
-    version = (latest[-1].payload["version"] + 1) if latest else 1
-    ref = artifacts.put_json({"kind": "suite", "name": name, "version_hash": vh, "members": members})
-    entity = f"suite:{name}@{version}"
-    payload = {
-        "entity_id": entity,
-        "name": name,
-        "version": version,
-        "artifact": ref.to_dict(),
-        "members": len(members),
-        "version_hash": vh,
-    }
-    from flywheel.store import NewEvent
-
-    store.append(
-        stream,
-        NewEvent("suite.versioned", payload, [t["task_id"] for t in members]),
-        expected_version=current,
-        correlation_id=correlation_id,
-    )
-    return entity, True
-
-
 # --------------------------------------------------------------------------------- the stage
 @dataclass
 class EvalsSummary:
@@ -683,7 +520,7 @@ def _full_traces(artifacts: Any, states: list[dict]) -> list[dict]:
     refs = [i for i, st in enumerate(states) if isinstance(st.get("trace"), dict) and "sha256" in st["trace"]]
     out = list(states)
     if refs:
-        from flywheel.ingest import load_traces
+        from flywheel.artifacts import load_traces
 
         for i, full in zip(refs, load_traces(artifacts, [states[i] for i in refs]), strict=True):
             out[i] = {**full, "source": full.get("source") or states[i].get("source")}
@@ -810,7 +647,7 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
     # on that batch have seen it (synthetic variants are not in the split index).
     fresh_heldout = [task_from_state(existing[t]) for t in placed_now if existing[t].get("split") == "heldout"]
     if fresh_heldout:
-        from flywheel.synth import contaminated_by_synthetic
+        from flywheel.contamination import contaminated_by_synthetic
 
         for tid, synth_id in contaminated_by_synthetic(store, artifacts, fresh_heldout, cfg.synth).items():
             st = existing[tid]
@@ -856,7 +693,7 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
         if not members and not latest:
             summary.empty_suites.append(name)  # never versioned empty: nothing to gate or train on
             continue
-        entity, new = _version_suite(store, artifacts, name, members, correlation_id)
+        entity, new = version_suite(store, artifacts, name, members, correlation_id)
         summary.events_appended += int(new)
         summary.suites.append({"suite": entity, "members": len(members), "new_version": new})
         if name == "heldout":
@@ -895,4 +732,4 @@ def _heldout_warnings(cfg: Any, summary: EvalsSummary, states: dict[str, dict]) 
             f"To decide, {fix}."]
 
 
-__all__ += ["ConcurrencyError", "TaskError", "trace_status", "versioned_event"]
+__all__ += ["ConcurrencyError"]

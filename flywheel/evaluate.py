@@ -41,6 +41,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from flywheel.policy.registry import ModelRefError, load_policy_for_version
 from flywheel.store import NewEvent
 from flywheel.vocab.ids import SHORT_HEX, canonical_json, digest, short_id
 
@@ -114,42 +115,21 @@ class ModelRef:
 PolicyLoader = Callable[[ModelRef], Any]
 
 
-def load_policy_for_version(cfg: Any, tracker: Any, name: str, version: int) -> Any:
-    """An :class:`~flywheel.policy.hf.HFPolicy` for a registered version, full model or LoRA adapter.
-
-    A version is an adapter when its MLflow tag ``adapter`` is ``true`` or its directory holds
-    ``adapter_config.json``; the adapter is then loaded on top of the tag ``base_model`` (else the
-    adapter config's ``base_model_name_or_path``, else ``[policy] base_model``). Otherwise the
-    version's directory is a full Hugging Face model directory.
-    """
-    from flywheel.policy.hf import HFPolicy
-
-    try:
-        mv = tracker.model_version(name, version)
-    except Exception as e:  # MLflow raises its own exception types for a missing version
-        raise EvaluationError(f"model:{name}/{version} is not a registered version: {e}") from None
-    tags = dict(getattr(mv, "tags", {}) or {})
-    d = Path(tracker.model_dir(name, version))
-    adapter_cfg = d / "adapter_config.json"
-    is_adapter = str(tags.get("adapter", "")).lower() == "true" or adapter_cfg.exists()
-    common = dict(device=cfg.policy.device, dtype=cfg.policy.dtype, name=name, version=str(version))
-    if is_adapter:
-        base = tags.get("base_model")
-        if not base and adapter_cfg.exists():
-            base = json.loads(adapter_cfg.read_text()).get("base_model_name_or_path")
-        return HFPolicy.from_spec(base or cfg.policy.base_model, home=cfg.home, adapter=d, **common)
-    return HFPolicy.from_spec(str(d), home=cfg.home, **common)
-
-
 def default_policy_loader(cfg: Any, tracker: Any) -> PolicyLoader:
+    """Load a :class:`ModelRef` with the HF backend (registered versions through
+    :func:`flywheel.policy.registry.load_policy_for_version`)."""
+
     def load(ref: ModelRef) -> Any:
         if ref.is_base:
-            from flywheel.policy.hf import HFPolicy
+            from flywheel.policy.hf import HFPolicy  # torch + transformers: only when a model is loaded
 
             return HFPolicy.from_spec(
                 ref.spec, home=cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype, name="base", version="base"
             )
-        return load_policy_for_version(cfg, tracker, ref.name, int(ref.version))
+        try:
+            return load_policy_for_version(cfg, tracker, ref.name, int(ref.version))
+        except ModelRefError as e:
+            raise EvaluationError(str(e)) from None
 
     return load
 
@@ -174,7 +154,7 @@ def resolve_suite(store: Any, artifacts: Any, suite: Any) -> Any:
     """A suite object (``entity_id``, ``name``, ``version``, ``tasks``) from an object or a spec string."""
     if not isinstance(suite, str):
         return suite
-    from flywheel.evals import load_suite
+    from flywheel.versioning import load_suite
 
     parse_suite_spec(suite)  # validates the spec before touching the store
     try:
@@ -365,9 +345,9 @@ def evaluate_model(
 ) -> EvalResult:
     """Evaluate ``model_version`` (of ``[cycle] model_name``, or a :class:`ModelRef`) on ``suite``.
 
-    ``suite``: a suite object from :func:`flywheel.evals.load_suite` or a spec (``heldout@3``).
+    ``suite``: a suite object from :func:`flywheel.versioning.load_suite` or a spec (``heldout@3``).
     ``policy`` (already loaded) or ``policy_loader`` override how the model is loaded; by default
-    :func:`load_policy_for_version`. Returns the cached result when one exists (see module doc).
+    :func:`flywheel.policy.registry.load_policy_for_version`. Returns the cached result when one exists (see module doc).
     """
     ref = model_version if isinstance(model_version, ModelRef) else ModelRef.registered(cfg.cycle.model_name, int(model_version))
     suite_obj = resolve_suite(store, artifacts, suite)

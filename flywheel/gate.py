@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from flywheel.deploy import reconcile_champion
+from flywheel.champion import reconcile_champion
 from flywheel.stats import (
     BootstrapResult,
     items_needed,
@@ -747,7 +747,7 @@ def _load_suite(store: Any, artifacts: Any, spec: Any, what: str) -> Any:
     a rule never passes) on a suite it could not read."""
     if not isinstance(spec, str):
         return spec
-    from flywheel.evals import load_suite, versioned_event
+    from flywheel.versioning import load_suite, versioned_event
 
     try:
         recorded = versioned_event(store, "suite", "suite.versioned", spec)

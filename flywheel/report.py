@@ -200,7 +200,7 @@ def trace_facts(artifacts: Any, store: Any, traces: list[dict[str, Any]]) -> dic
     """Per trace entity: the facts its telemetry recorded (source, model, token usage, finish reasons,
     response id; see :mod:`flywheel.ingest.otlp`), read from the trace artifacts. A trace whose
     artifact cannot be read gets no facts (the report still renders)."""
-    from flywheel.ingest import load_traces
+    from flywheel.artifacts import load_traces
 
     states = [(t["trace"], (store.entity(t["trace"]) or {}).get("state") or {}) for t in traces]
     states = [(e, st) for e, st in states if isinstance(st.get("trace"), dict)]

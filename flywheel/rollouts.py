@@ -3,7 +3,7 @@
 For every task of an environment version, :func:`run_rollouts` samples a *group* of K episodes
 through the task's harness (:func:`flywheel.envs.harness.run_episodes`: single-turn, or the
 multi-turn tool loop), scores them with the task's verifier, computes advantages with the configured
-scaling (``group`` / ``batch`` / ``none``, :func:`flywheel.train.advantages.compute_advantages`), and
+scaling (``group`` / ``batch`` / ``none``, :func:`flywheel.advantages.compute_advantages`), and
 writes one Parquet dataset (``schemas/rollouts.py``, zstd) per run.
 
 Guarantees
@@ -35,7 +35,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from flywheel.deploy import reconcile_champion
+from flywheel.champion import reconcile_champion
+from flywheel.policy.registry import ModelRefError, ResolvedPolicy, resolve_policy
 from flywheel.store import NewEvent
 from flywheel.vocab.ids import content_id, digest, short_id
 
@@ -61,81 +62,6 @@ class RolloutSummary:
         return asdict(self)
 
 
-@dataclass
-class ResolvedPolicy:
-    policy: Any
-    ref: str  # model:<name>/<version>, base:<spec>, or the URL
-    entity_id: str | None  # for causation, when the policy is a registered version
-
-
-def resolve_policy(cfg: Any, tracker: Any, ref: str | None = None) -> ResolvedPolicy:
-    """``champion`` (the MLflow alias; the base model before any promotion), ``challenger``,
-    ``model:<name>/<v>``, an ``http(s)://`` URL (OpenAI-compatible server), or a model spec/dir."""
-    import os
-
-    ref = ref or "champion"
-    name = cfg.cycle.model_name
-    if ref.startswith(("http://", "https://")):
-        from flywheel.policy.openai_http import OpenAIPolicy
-
-        pol = OpenAIPolicy(ref, model=name, api_key=os.environ.get(cfg.policy.api_key_env),
-                           max_concurrency=cfg.policy.max_concurrency, timeout_s=cfg.policy.request_timeout_s)
-        return ResolvedPolicy(pol, ref, None)
-    version: int | None = None
-    if ref in ("champion", "challenger"):
-        version = tracker.get_alias_version(name, ref)
-        if version is None:
-            if ref == "challenger":
-                raise RolloutError(f"no model version of {name!r} has the alias 'challenger'")
-            return _base(cfg)
-    elif ref.startswith("model:"):
-        body = ref.split(":", 1)[1]
-        name, _, v = body.partition("/")
-        if not v.isdigit():
-            raise RolloutError(f"bad model reference {ref!r}: expected model:<name>/<version>")
-        version = int(v)
-    if version is not None and cfg.policy.backend == "openai":
-        return _served(cfg, tracker, name, version)
-    if version is not None:
-        from flywheel.evaluate import load_policy_for_version
-
-        pol = load_policy_for_version(cfg, tracker, name, version)
-        return ResolvedPolicy(pol, f"model:{name}/{version}", f"model:{name}/{version}")
-    return _base(cfg, ref)
-
-
-def _served(cfg: Any, tracker: Any, name: str, version: int) -> ResolvedPolicy:
-    """``policy.backend = "openai"``: sample from the OpenAI-compatible server at ``policy.base_url``
-    (vLLM in the team deployment). The champion is the served model ``<name>``; any other version must
-    be a LoRA adapter, hot-loaded as ``<name>-<version>`` through the runtime adapter endpoint."""
-    import os
-
-    from flywheel.policy.openai_http import OpenAIPolicy
-
-    if not cfg.policy.base_url:
-        raise RolloutError("policy.backend is 'openai' but policy.base_url is not set")
-    pol = OpenAIPolicy(cfg.policy.base_url, model=name, api_key=os.environ.get(cfg.policy.api_key_env),
-                       max_concurrency=cfg.policy.max_concurrency, timeout_s=cfg.policy.request_timeout_s)
-    ref = f"model:{name}/{version}"
-    if tracker.get_alias_version(name, "champion") == version:
-        return ResolvedPolicy(pol, ref, ref)
-    directory = tracker.model_dir(name, version)
-    if not (directory / "adapter_config.json").exists():
-        raise RolloutError(f"{ref} is a full model: serve it with the OpenAI-compatible server first "
-                           f"(infra/vllm/README.md), or use policy.backend = 'hf'")
-    adapter = f"{name}-{version}"
-    pol.load_lora_adapter(adapter, str(directory))
-    return ResolvedPolicy(pol.for_model(adapter), ref, ref)
-
-
-def _base(cfg: Any, spec: str | None = None) -> ResolvedPolicy:
-    from flywheel.policy.hf import HFPolicy
-
-    spec = spec or cfg.policy.base_model
-    pol = HFPolicy.from_spec(spec, home=cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype)
-    return ResolvedPolicy(pol, f"base:{spec}", None)
-
-
 def rollout_id_for(env_id: str, policy_ref: str, params: dict[str, Any]) -> str:
     return content_id("rollouts", {"env": env_id, "policy": policy_ref, "params": params})
 
@@ -153,8 +79,8 @@ def episodes_to_table(
     """Turn harness episodes into rollout rows (ROLLOUT_SCHEMA) and group statistics."""
     import torch
 
+    from flywheel.advantages import compute_advantages
     from flywheel.schemas.rollouts import ROLLOUT_SCHEMA
-    from flywheel.train.advantages import compute_advantages
 
     rows: list[dict[str, Any]] = []
     n_groups = zero_var_groups = pass_any = dropped = 0
@@ -266,10 +192,10 @@ def run_rollouts(
     progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> RolloutSummary:
     """Sample ``group_size`` episodes per task of env ``env`` (name or ``name@N``; default the training
-    env) with ``policy`` (see :func:`resolve_policy`) and publish them as one Parquet dataset."""
-    from flywheel.envs import load_env
+    env) with ``policy`` (a reference, :func:`flywheel.policy.registry.resolve_policy`) and publish them as one Parquet dataset."""
     from flywheel.envs.harness import run_episodes
     from flywheel.policy.base import SamplingParams
+    from flywheel.versioning import load_env
 
     rc = cfg.rollout
     env_obj = load_env(store, artifacts, env or cfg.cycle.train_env)
@@ -288,7 +214,10 @@ def run_rollouts(
     }
     if policy is None or policy == "champion":  # complete an interrupted promotion before sampling from it
         reconcile_champion(store, tracker, cfg.cycle.model_name)
-    resolved = policy if isinstance(policy, ResolvedPolicy) else resolve_policy(cfg, tracker, policy)
+    try:
+        resolved = policy if isinstance(policy, ResolvedPolicy) else resolve_policy(cfg, tracker, policy)
+    except ModelRefError as e:
+        raise RolloutError(str(e)) from None
     rid = rollout_id_for(env_obj.entity_id, resolved.ref, params_dict)
 
     existing = store.entity(rid)

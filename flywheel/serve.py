@@ -97,6 +97,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError, from_json
 
 from flywheel.config import FlywheelConfig, ServeConfig
+from flywheel.net import bind, is_loopback
 from flywheel.policy.base import Policy, PromptTooLongError, SamplingParams
 from flywheel.policy.batching import BatchingPolicy
 from flywheel.policy.models import ModelLoadError
@@ -167,15 +168,6 @@ class ApiError(Exception):
 
 def _error_body(status: int, message: str, type_: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # --------------------------------------------------------------------------- the OpenAI request
@@ -916,16 +908,6 @@ def build_policy(cfg: FlywheelConfig, model: str | None = None) -> tuple[str, An
     return name, policy
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
 def _head_timeout_protocol(header_timeout_s: float) -> type:
     """uvicorn's h11 protocol plus a deadline for each request head.
 
@@ -1000,7 +982,7 @@ def serve(cfg: FlywheelConfig, model: str | None = None, host: str | None = None
         provider = static_provider(*build_policy(cfg, model))
     app = create_app(provider, api_key=key, limits=ServeLimits.from_config(cfg.serve),
                      allowed_hosts=allowed_hosts_for(host, cfg.serve.allowed_hosts), adapter_loading=loading)
-    sock = _bind(host, port)
+    sock = bind(host, port)
     if on_ready is not None:
         on_ready(host, sock.getsockname()[1])
     server = uvicorn.Server(uvicorn_config(app, log_level="info", timeout_graceful_shutdown=30))
@@ -1015,7 +997,7 @@ def run_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Itera
     """
     import uvicorn
 
-    sock = _bind(host, port)
+    sock = bind(host, port)
     server = uvicorn.Server(uvicorn_config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="flywheel-serve")
     thread.start()

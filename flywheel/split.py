@@ -64,14 +64,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from flywheel.dedup import NearDupIndex, char_shingles
 from flywheel.vocab.ids import digest, short_id
 from flywheel.vocab.kinds import SPLITS
-from flywheel.vocab.messages import text_of
+from flywheel.vocab.messages import request_content_text
 from flywheel.vocab.text import request_words
 from flywheel.vocab.tools import tool_name
 
@@ -88,10 +87,6 @@ TOOL_JACCARD = 0.5
 normalise = request_words
 
 
-def _content_text(content: Any) -> str:
-    # Frozen by the request hashes in eval.created events: parts joined with " ", and the text of
-    # every object part as a string (a part without text adds "", a number adds "5").
-    return text_of(content, sep=" ", nonstring_text="stringify")
 
 
 def request_text(messages: Iterable[dict], tools: Iterable[dict] | None = None) -> str:
@@ -101,10 +96,10 @@ def request_text(messages: Iterable[dict], tools: Iterable[dict] | None = None) 
     a separate feature (:func:`tool_names`), never part of the shingled text.
     """
     msgs = [m for m in messages if isinstance(m, dict)]
-    user = [_content_text(m.get("content")) for m in msgs if m.get("role") == "user"]
+    user = [request_content_text(m.get("content")) for m in msgs if m.get("role") == "user"]
     text = normalise(" ".join(user))
     if not text:  # a request with no user text: its system text is all that varies
-        text = normalise(" ".join(_content_text(m.get("content")) for m in msgs if m.get("role") == "system"))
+        text = normalise(" ".join(request_content_text(m.get("content")) for m in msgs if m.get("role") == "system"))
     return text
 
 

@@ -31,7 +31,7 @@ Generators (pluggable: :data:`GENERATORS`; each records ``metadata.generator`` a
 
 Validation (:func:`validate_candidates`)
 ----------------------------------------
-- **valid**: the task-record contract (:func:`flywheel.evals.validate_task`), the verifier spec
+- **valid**: the task-record contract (:func:`flywheel.tasks.validate_task`), the verifier spec
   (:func:`flywheel.verifiers.validate_spec`), a renderable reference, generator-reported problems,
   and the Great Expectations suite ``schemas/gx/synth_batch.json`` over the batch's feature rows
   (required fields, lengths in bounds, tools are valid JSON Schema, reference present); a row failing
@@ -71,7 +71,7 @@ Records and identity
   decontamination settings, the held-out suite version, and (with the difficulty filter) the policy.
   It deliberately does not hash the environment *version*: accepting a batch creates a new one, and
   re-running the same batch must find the batch already recorded and append nothing.
-- Accepted tasks go into the environment as a new version (:func:`flywheel.envs.add_tasks_to_env`),
+- Accepted tasks go into the environment as a new version (:func:`flywheel.versioning.add_tasks_to_env`),
   then one ``synth.batch_accepted`` event on ``synth:b-<id>`` records the funnel counts, rejections
   by reason, the accepted and rejected Parquet artifacts, the held-out suite version it was checked
   against and the new environment version; causation = the environment version it widened and the
@@ -87,7 +87,6 @@ Mitte"); detection of paraphrases with little word overlap unless the semantic c
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 import re
@@ -97,9 +96,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.contamination import (
+    find_contamination,
+    protected_texts,
+    request_text,
+    synthetic_batches,
+    synthetic_tasks,
+)
 from flywheel.dedup import (
     NearDupIndex,
-    NgramOverlapIndex,
     SemanticIndex,
     _canon_number,
     normalize_text,
@@ -107,7 +112,7 @@ from flywheel.dedup import (
 )
 from flywheel.store import EventStore, NewEvent
 from flywheel.vocab.ids import canonical_json, json_id
-from flywheel.vocab.messages import last_index, text_of
+from flywheel.vocab.messages import last_index, request_content_text
 from flywheel.vocab.tools import function_of, tool_name
 
 __all__ = [
@@ -123,7 +128,6 @@ __all__ = [
     "dedup_candidates",
     "generate_candidates",
     "make_generators",
-    "request_text",
     "run_synth",
     "seed_tasks",
     "synth_task_id",
@@ -131,7 +135,6 @@ __all__ = [
     "check_solvable",
     "answer_key",
     "tool_key",
-    "bfcl_tasks",
 ]
 
 SYNTH_VERSION = 1
@@ -145,22 +148,6 @@ Progress = Callable[[str, int, int], None]
 
 
 # ================================================================================ helpers
-def _content(m: dict) -> str:
-    # The split's reading of content (parts joined with " "): variants rewrite the user text in this
-    # form, and synth task ids hash the rewritten prompt.
-    return text_of(m.get("content"), sep=" ", nonstring_text="stringify")
-
-
-def request_text(task: dict) -> str:
-    """The user turns of the task's prompt, raw (normalise with :func:`flywheel.dedup.normalize_text`);
-    the system turns when there is no user text. An agent's long system prompt is the same in every
-    request: compared with it, every variant would look like a near-copy of every other (the same
-    rule as the train/held-out split, :mod:`flywheel.split`)."""
-    msgs = [m for m in (task.get("prompt") or {}).get("messages") or [] if isinstance(m, dict)]
-    user = "\n".join(_content(m) for m in msgs if m.get("role") == "user")
-    if user.strip():
-        return user
-    return "\n".join(_content(m) for m in msgs if m.get("role") == "system")
 
 
 def tool_key(task: dict) -> str:
@@ -513,7 +500,7 @@ def _mutation_plan(seed: dict) -> list[dict]:
     ui = last_index(msgs, "user")
     if ui is None:
         return []
-    text = _content(msgs[ui])
+    text = request_content_text(msgs[ui].get("content"))
     calls = seed["reference"]["tool_calls"]
     # How often each canonical value is used across all arguments: shared values are ambiguous.
     usage = Counter(canonical_json(_canon_value(v)) for c in calls for v in (c.get("arguments") or {}).values())
@@ -552,7 +539,7 @@ def mutate_task(seed: dict, rng: random.Random, ctx: GenContext, *, max_args: in
         return None
     msgs = copy.deepcopy(seed["prompt"]["messages"])
     ui = last_index(msgs, "user")
-    text = _content(msgs[ui])
+    text = request_content_text(msgs[ui].get("content"))
     rng.shuffle(plan)
     chosen = plan[: rng.randint(1, min(max_args, len(plan)))]
     taken = {normalize_text(str(p["value"])) for p in plan}
@@ -706,9 +693,9 @@ class ParallelGenerator(Generator):
             return None
         msgs = copy.deepcopy(seed["prompt"]["messages"])
         ui = last_index(msgs, "user")
-        b_text = _content(other["prompt"]["messages"][last_index(other["prompt"]["messages"], "user")])
+        b_text = request_content_text(other["prompt"]["messages"][last_index(other["prompt"]["messages"], "user")].get("content"))
         template = rng.choice(_JOINS)
-        msgs[ui] = {**msgs[ui], "content": _join(_content(msgs[ui]), b_text, template)}
+        msgs[ui] = {**msgs[ui], "content": _join(request_content_text(msgs[ui].get("content")), b_text, template)}
         tools = copy.deepcopy(list(seed["prompt"]["tools"]))
         have = {tool_name(t) for t in tools}
         for t in other["prompt"]["tools"]:
@@ -784,7 +771,7 @@ class ParaphraseGenerator(Generator):
             return out
         prompts = []
         for _, s, k, _ in todo:
-            text = _content(s["prompt"]["messages"][last_index(s["prompt"]["messages"], "user")])
+            text = request_content_text(s["prompt"]["messages"][last_index(s["prompt"]["messages"], "user")].get("content"))
             prompts.append([{"role": "system", "content": PARAPHRASE_SYSTEM},
                             {"role": "user", "content": f"Rewrite this request (variant {k + 1}):\n{text}"}])
         # One seed per call keeps samples reproducible whatever the batch composition.
@@ -795,7 +782,7 @@ class ParaphraseGenerator(Generator):
         for (i, s, _k, _), sample_list in zip(todo, samples, strict=True):
             msgs = copy.deepcopy(s["prompt"]["messages"])
             ui = last_index(msgs, "user")
-            original = _content(msgs[ui])
+            original = request_content_text(msgs[ui].get("content"))
             new = _clean_paraphrase(sample_list[0].text if sample_list else "")
             problems = []
             if not new:
@@ -886,8 +873,8 @@ def _reference_answer(task: dict) -> dict:
 
 
 def _per_task_problems(c: Candidate) -> list[str]:
-    from flywheel.evals import TaskError, validate_task
     from flywheel.schemas.gx_synth import tools_schema_valid
+    from flywheel.tasks import TaskError, validate_task
     from flywheel.verifiers import SpecError, validate_spec
 
     problems = list(c.problems)
@@ -1016,65 +1003,18 @@ def dedup_candidates(cands: list[Candidate], reference_tasks: list[dict], *, thr
 def decontaminate(cands: list[Candidate], protected: list[tuple[str, str]], *, jaccard_threshold: float,
                   ngram: int, semantic: SemanticIndex | None = None) -> tuple[list[Candidate], list[Rejection]]:
     """Drop candidates whose request is an exact or near duplicate of, shares a long n-gram with,
-    or (optionally) is semantically close to any protected ``(id, request text)``."""
-    from flywheel.dedup import exact_key
-
-    if not protected or not cands:
-        return list(cands), []
-    ids = [p[0] for p in protected]
-    ptexts = [p[1] for p in protected]
-    exact = {}
-    for pid, text in protected:
-        exact.setdefault(exact_key(text), pid)
-    near = NearDupIndex(jaccard_threshold)
-    near.add(ids, ptexts)
-    grams = NgramOverlapIndex(ngram)
-    grams.add(ids, ptexts)
-    if semantic is not None:
-        semantic.add(ids, ptexts)
-    texts = [request_text(c.task) for c in cands]
-    near_hits = near.query(texts)
-    gram_hits = grams.query(texts)
-    sem_hits = semantic.query(texts) if semantic is not None else [[] for _ in cands]
+    or (optionally) is semantically close to any protected ``(id, request text)``
+    (:func:`flywheel.contamination.find_contamination`)."""
+    found = find_contamination([c.task for c in cands], protected, jaccard_threshold=jaccard_threshold,
+                               ngram=ngram, semantic=semantic)
     kept, rejected = [], []
-    for i, c in enumerate(cands):
-        ek = exact_key(texts[i])
-        if ek in exact:
-            rejected.append(_reject(c, "uncontaminated", "contaminated",
-                                    f"contaminates held-out {exact[ek]} (exact request)", exact[ek], 1.0))
-        elif near_hits[i]:
-            m = near_hits[i][0]
-            rejected.append(_reject(c, "uncontaminated", "contaminated",
-                                    f"contaminates held-out {m.key} (near-duplicate, jaccard {m.jaccard:.2f})",
-                                    str(m.key), m.jaccard))
-        elif gram_hits[i] is not None:
-            key, gram = gram_hits[i]
-            rejected.append(_reject(c, "uncontaminated", "contaminated",
-                                    f"contaminates held-out {key} (shares {len(gram.split())}-gram '{gram[:80]}')",
-                                    str(key)))
-        elif sem_hits[i]:
-            m = sem_hits[i][0]
-            rejected.append(_reject(c, "uncontaminated", "contaminated",
-                                    f"contaminates held-out {m.key} (semantic, cosine {m.jaccard:.3f})", str(m.key),
-                                    m.jaccard))
-        else:
+    for c in cands:
+        hit = found.get(c.task_id)
+        if hit is None:
             kept.append(c)
+        else:
+            rejected.append(_reject(c, "uncontaminated", "contaminated", hit.reason, hit.matched, hit.similarity))
     return kept, rejected
-
-
-def _protected_texts(store: EventStore, suite: Any) -> list[tuple[str, str]]:
-    """(id, request text) of every held-out eval and of the failures they came from."""
-    out: list[tuple[str, str]] = []
-    for t in suite.tasks:
-        out.append((t["task_id"], request_text(t)))
-        fid = (t.get("metadata") or {}).get("origin_failure")
-        if fid:
-            ent = store.entity(fid)
-            msgs = ((ent or {}).get("state") or {}).get("messages") or []
-            text = request_text({"prompt": {"messages": msgs}})
-            if text and normalize_text(text) != normalize_text(out[-1][1]):
-                out.append((fid, text))
-    return out
 
 
 # ================================================================================ difficulty
@@ -1166,44 +1106,6 @@ def batch_id(*, env_name: str, suites: Sequence[str], seeds: Sequence[dict], gen
     })
 
 
-def _previous_synth_tasks(store: EventStore, artifacts: Any, exclude_batch: str | None = None) -> list[dict]:
-    return [t for _, tasks in _batch_tasks(store, artifacts, exclude_batch) for t in tasks]
-
-
-def _batch_tasks(store: EventStore, artifacts: Any, exclude_batch: str | None = None) -> list[tuple[Any, list[dict]]]:
-    """(``synth.batch_accepted`` event, its accepted tasks) of every recorded batch."""
-    out = []
-    for ev in store.read(stream="synth:*", types="synth.batch_accepted"):
-        if ev.payload.get("entity_id") == exclude_batch:
-            continue
-        ref = ev.payload.get("accepted_artifact") or {}
-        tasks = []
-        if ref.get("sha256") and ref.get("rows"):
-            tbl = artifacts.read_table(ref["sha256"], columns=["task_json"])
-            tasks = [json.loads(x) for x in tbl.column("task_json").to_pylist()]
-        out.append((ev, tasks))
-    return out
-
-
-def contaminated_by_synthetic(store: EventStore, artifacts: Any, items: list[dict], scfg: Any) -> dict[str, str]:
-    """Which of ``items`` (eval tasks about to be held out) are exact, near or long-n-gram copies of a
-    recorded synthetic task: ``{item task id: synthetic task id}``.
-
-    The evals stage asks before a new item joins the held-out suite: a model already trained on a
-    synthetic near-copy of it must not be gated on it (the same tests, the other way round, as
-    :func:`decontaminate` applies to new candidates)."""
-    if not items:
-        return {}
-    synthetic = _previous_synth_tasks(store, artifacts)
-    if not synthetic:
-        return {}
-    protected = [(t["task_id"], request_text(t)) for t in synthetic]
-    cands = [Candidate(task=t, generator="heldout", seed_ids=[t["task_id"]]) for t in items]
-    _, rejected = decontaminate(cands, protected, jaccard_threshold=scfg.contamination_jaccard,
-                                ngram=scfg.contamination_ngram)
-    return {r.task_id: str(r.matched) for r in rejected}
-
-
 def reattest_batches(cfg: Any, store: EventStore, artifacts: Any, suite: Any, *,
                      correlation_id: str | None = None) -> dict[str, Any]:
     """Check every recorded batch that was not decontaminated against ``suite`` (a held-out suite
@@ -1213,12 +1115,12 @@ def reattest_batches(cfg: Any, store: EventStore, artifacts: Any, suite: Any, *,
     (the gate's decontamination rule reads it); a batch with a contaminated task keeps its list and
     records the pairs (``contaminated``), so a gate on ``suite`` refuses any model trained on it and
     says why. The evals stage keeps new held-out items away from recorded synthetic tasks
-    (:func:`contaminated_by_synthetic`), so the second case needs thresholds changed in between.
+    (:func:`flywheel.contamination.contaminated_by_synthetic`), so the second case needs thresholds changed in between.
     """
     ref = str(suite.entity_id)
-    protected = _protected_texts(store, suite)
+    protected = protected_texts(store, suite)
     out: dict[str, Any] = {"rechecked": [], "contaminated": {}}
-    for ev, tasks in _batch_tasks(store, artifacts):
+    for ev, tasks in synthetic_batches(store, artifacts):
         bid = ev.stream
         latest = store.read(stream=bid)[-1]
         done = list(latest.payload.get("decontaminated_against") or [])
@@ -1286,8 +1188,7 @@ def run_synth(
     the environment has no version, ``ValueError`` for an unknown generator or a paraphrase without
     a policy, :class:`flywheel.dedup.SemanticUnavailable` when semantic dedup is on without its package.
     """
-    from flywheel.envs.build import add_tasks_to_env, load_env
-    from flywheel.evals import load_suite
+    from flywheel.versioning import add_tasks_to_env, load_env, load_suite
 
     t0 = time.perf_counter()
     scfg = cfg.synth
@@ -1374,7 +1275,7 @@ def run_synth(
         _semantic_model_dir()  # fail now, with the install hint, not halfway through
     reference = [t for t in cur.tasks if (t.get("metadata") or {}).get("synth_batch") != bid]
     seen = {t["task_id"] for t in reference}
-    for t in _previous_synth_tasks(store, artifacts, bid):
+    for t in synthetic_tasks(store, artifacts, bid):
         if t["task_id"] not in seen:
             reference.append(t)
             seen.add(t["task_id"])
@@ -1385,7 +1286,7 @@ def run_synth(
         progress("dedup", len(solvable), len(solvable))
 
     # -- uncontaminated
-    protected = _protected_texts(store, suite) if suite else []
+    protected = protected_texts(store, suite) if suite else []
     sem2 = SemanticIndex(scfg.semantic_threshold) if scfg.semantic_dedup else None
     clean, rej = decontaminate(unique, protected, jaccard_threshold=scfg.contamination_jaccard,
                                ngram=scfg.contamination_ngram, semantic=sem2)
@@ -1458,28 +1359,3 @@ def run_synth(
         gx=payload["gx"], new=True, events_appended=res.appended + int(new_env != cur.entity_id),
         seconds=time.perf_counter() - t0, accepted_ids=[c.task_id for c in accepted], rejections=rejections,
     )
-
-
-# ================================================================================ fixtures
-def bfcl_tasks(category: str, limit: int | None = None, *, split: str = "train") -> list[dict]:
-    """BFCL items compiled into eval task records exactly as the evals stage compiles a failure with
-    a correction (``wrong_arg_value`` + the possible answer): realistic seeds for tests, benchmarks
-    and demos. Items whose answer key cannot be rendered as a call are skipped."""
-    from flywheel.envs.testing import failure_payload
-    from flywheel.evals import CompileSkip, compile_failure
-    from flywheel.verifiers.bfcl import bfcl_answer_to_expected, load_bfcl
-
-    out = []
-    for it in load_bfcl(category, limit):
-        expected = bfcl_answer_to_expected(it.possible_answer)
-        f = failure_payload(it.question_messages, it.tools, {"role": "assistant", "content": "I cannot help."},
-                            ["no_tool_call"], correction={"tool_calls": expected}, source="bfcl",
-                            trace_id=f"trace:bfcl-{it.id}")
-        try:
-            task = compile_failure(f)
-        except CompileSkip:
-            continue
-        task["metadata"]["split"] = split
-        task["metadata"]["cluster"] = f"c-{it.id}"
-        out.append(task)
-    return out

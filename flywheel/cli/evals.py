@@ -128,8 +128,8 @@ def envs_show(
 ) -> None:
     """One environment version: config, task counts by harness/verifier/split, and its tasks."""
     from flywheel.artifacts import open_artifacts
-    from flywheel.envs.build import load_env
     from flywheel.store import open_store
+    from flywheel.versioning import load_env
 
     cfg = load(home, config)
     with open_store(cfg) as s:

@@ -162,7 +162,7 @@ def rollback(
 @handle_errors
 def deployments(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) -> None:
     """The deployment history: who, when, which gate, from -> to."""
-    from flywheel.deploy import deployments as history
+    from flywheel.champion import deployments as history
     from flywheel.store import open_store
 
     cfg = load(home, config)

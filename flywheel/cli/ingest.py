@@ -204,7 +204,7 @@ def collect(
     import os
 
     from flywheel.ingest.collect import run
-    from flywheel.serve import is_loopback
+    from flywheel.net import is_loopback
 
     if settle_s <= 0 or max_pending < 1 or max_body_mb < 1:
         raise CliError("--settle-s must be > 0, --max-pending and --max-body-mb >= 1")

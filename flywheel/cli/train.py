@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
 
 def _demonstrations(path: Path) -> list:
     """JSON lines: {messages, tools?, source_entity_id, split, answer_calls?: [{name, arguments}], answer_content?}."""
-    from flywheel.train.sft import Demonstration
+    from flywheel.train.demos import Demonstration
     from flywheel.verifiers import ToolCall
 
     demos = []
@@ -79,7 +79,7 @@ def train(
                 raise CliError("--mode auto needs --rollouts to measure the policy's zero-variance share")
             import torch
 
-            from flywheel.train.advantages import zero_variance_share
+            from flywheel.advantages import zero_variance_share
             from flywheel.train.data import load_rollout_tables
 
             zv, passed, n = 0.0, 0, 0

@@ -1,5 +1,6 @@
-"""RL environments: versioned task sets (:mod:`flywheel.envs.build`), the episode harnesses
-(:mod:`flywheel.envs.harness`) and the tool environment (:mod:`flywheel.envs.tools`).
+"""RL environments: building versioned task sets (:mod:`flywheel.envs.build`; loading and versioning
+them is :mod:`flywheel.versioning`), the episode harnesses (:mod:`flywheel.envs.harness`) and the
+tool environment (:mod:`flywheel.envs.tools`).
 
 The public API is re-exported here lazily so importing :mod:`flywheel.envs` stays cheap."""
 
@@ -8,12 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "Env": "flywheel.envs.build",
     "EnvsSummary": "flywheel.envs.build",
-    "add_tasks_to_env": "flywheel.envs.build",
     "build_envs": "flywheel.envs.build",
     "list_envs": "flywheel.envs.build",
-    "load_env": "flywheel.envs.build",
     "Episode": "flywheel.envs.harness",
     "run_episodes": "flywheel.envs.harness",
     "verify_task": "flywheel.envs.harness",

@@ -6,12 +6,12 @@ Public API (the CLI and the Prefect flow call these):
   progress=None) -> IngestSummary``
 - :func:`replay_quarantine` ``(cfg, store, artifacts, *, correlation_id=None, progress=None) ->
   IngestSummary``: retry quarantined records after a fix.
-- :func:`load_traces` ``(artifacts, payloads) -> list[dict]``: the full redacted traces behind
-  ``trace.ingested`` payloads (they reference ``trace: {sha256, row}`` in a per-batch artifact).
 - :func:`list_quarantine` / :func:`show_quarantine`: inspection.
 
 See :mod:`flywheel.ingest.pipeline` for the guarantees, :mod:`flywheel.ingest.formats` for the input
-formats, :mod:`flywheel.redact` and :mod:`flywheel.classify` for redaction and failure kinds.
+formats, :mod:`flywheel.redact` and :mod:`flywheel.classify` for redaction and failure kinds. The
+full redacted traces behind ``trace.ingested`` payloads are read back with
+:func:`flywheel.artifacts.load_traces`.
 """
 
 from flywheel.ingest.pipeline import (
@@ -22,7 +22,7 @@ from flywheel.ingest.pipeline import (
     IngestSummary,
     ingest_paths,
 )
-from flywheel.ingest.quarantine import list_quarantine, load_traces, replay_quarantine, show_quarantine
+from flywheel.ingest.quarantine import list_quarantine, replay_quarantine, show_quarantine
 
 __all__ = [
     "IngestError",
@@ -32,7 +32,6 @@ __all__ = [
     "TRACE_SCHEMA",
     "ingest_paths",
     "list_quarantine",
-    "load_traces",
     "replay_quarantine",
     "show_quarantine",
 ]

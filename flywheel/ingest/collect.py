@@ -48,6 +48,8 @@ from typing import Any
 
 import orjson
 
+from flywheel.artifacts import fsync_dir
+
 _ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
 
 
@@ -254,14 +256,8 @@ class Batcher:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        try:  # the rename itself survives a crash once the directory is synced
-            fd = os.open(self.inbox, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # the rename itself survives a crash once the directory is synced
+            fsync_dir(self.inbox)
         return final
 
 
@@ -340,9 +336,9 @@ def run(inbox: Path, *, host: str, port: int, settle_s: float, max_pending: int,
             if tids:
                 batcher.flush(tids)
 
-    from flywheel.serve import _bind
+    from flywheel.net import bind
 
-    sock = _bind(host, port)
+    sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
     class _Server(uvicorn.Server):
         # uvicorn re-raises SIGTERM/SIGINT after its shutdown (0.29+), which would kill this process

@@ -1,4 +1,4 @@
-"""Quarantine inspection and replay, and loading stored traces back from their artifacts.
+"""Quarantine inspection and replay.
 
 Quarantined records live in per-batch Parquet artifacts (0600, like every artifact) referenced by
 ``trace.quarantined`` events on ``quarantine:<file sha256[:16]>-<batch>``. A replay re-runs every
@@ -18,23 +18,6 @@ from typing import Any
 from flywheel.ingest.pipeline import IngestSummary, _Committer
 from flywheel.ingest.prepare import Preparer
 from flywheel.ingest.reader import Line
-
-
-def load_traces(artifacts: Any, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Full redacted traces for ``trace.ingested`` payloads (or states), in the given order.
-
-    Reads each referenced artifact once (hash-verified), whatever the number of payloads."""
-    import orjson
-
-    by_sha: dict[str, list[int]] = {}
-    for p in payloads:
-        by_sha.setdefault(p["trace"]["sha256"], []).append(p["trace"]["row"])
-    rows: dict[tuple[str, int], dict[str, Any]] = {}
-    for sha, wanted in by_sha.items():
-        col = artifacts.read_table(sha, columns=["trace"]).column("trace")
-        for r in set(wanted):
-            rows[(sha, r)] = orjson.loads(col[r].as_py())
-    return [rows[(p["trace"]["sha256"], p["trace"]["row"])] for p in payloads]
 
 
 def list_quarantine(store: Any) -> list[dict[str, Any]]:

@@ -38,8 +38,8 @@ from typing import Any
 import pyarrow as pa
 import torch
 
+from flywheel.advantages import AdvantageScale, compute_advantages, soft_overlong_penalty
 from flywheel.config import ObjectiveConfig
-from flywheel.train.advantages import AdvantageScale, compute_advantages, soft_overlong_penalty
 
 REQUIRED_COLUMNS = (
     "group_id", "prompt_token_ids", "completion_token_ids", "sampler_logprobs", "loss_mask",
@@ -146,7 +146,7 @@ def samples_from_rollouts(
         if objective.overlong_filter and s.truncated:
             s.loss_mask = [0] * len(s.loss_mask)
     stats.truncated = sum(s.truncated for s in samples)
-    from flywheel.train.advantages import zero_variance_share
+    from flywheel.advantages import zero_variance_share
 
     stats.groups = len(set(groups))
     stats.zero_variance_groups = round(zero_variance_share(rewards, groups) * stats.groups)

@@ -13,10 +13,8 @@ the tokenizer's own chat template (``<|im_end|>`` for SmolLM2), so a trained mod
 server expects it to.
 
 Guarantees
-- A demonstration whose ``split`` is ``"heldout"`` is refused with :class:`HeldOutDemonstrationError`
-  naming its source; with an event store, a demonstration any of whose lineage ancestors is an
-  ``eval:`` entity recorded with ``split == "heldout"`` is refused too (so a synthetic task derived from
-  a held-out eval cannot leak in under a "train" label).
+- Held-out demonstrations are refused before training (:func:`flywheel.train.demos.check_demonstrations`,
+  by split and by lineage).
 - Loss only on answer tokens: the prompt (system, tools, user and tool-observation turns) has no
   loss mask; the end-of-turn token is part of the answer (the model must learn to stop).
 
@@ -28,60 +26,10 @@ turns (only the final answer is trained; earlier assistant turns are part of the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from flywheel.train.data import TrainSample
-
-HELDOUT = "heldout"
-
-
-class HeldOutDemonstrationError(ValueError):
-    """A demonstration comes from (or descends from) a held-out eval: training on it would leak the gate."""
-
-
-@dataclass(frozen=True)
-class Demonstration:
-    """A conversation and the answer the policy should have given.
-
-    ``answer_calls`` (a list of ``flywheel.verifiers.ToolCall``) or ``answer_content`` (plain text);
-    ``source_entity_id`` names where it came from (``eval:…``, ``synth:…``, ``trace:…``) and becomes
-    the causation of the training run; ``split`` is that source's split (``train`` / ``heldout``).
-    """
-
-    messages: list[dict]
-    tools: list[dict] | None
-    source_entity_id: str
-    split: str = "train"
-    answer_calls: list[Any] | None = None
-    answer_content: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.answer_calls and self.answer_content is None:
-            raise ValueError(f"demonstration from {self.source_entity_id}: needs answer_calls or answer_content")
-
-
-def check_demonstrations(demos: Sequence[Demonstration], store: Any | None = None) -> None:
-    """Refuse held-out demonstrations (by split, and by lineage when ``store`` is given)."""
-    for i, d in enumerate(demos):
-        if d.split == HELDOUT:
-            raise HeldOutDemonstrationError(
-                f"demonstration {i} from {d.source_entity_id} is in the held-out split: held-out evals "
-                "decide the gate and must never be trained on"
-            )
-    if store is None:
-        return
-    for i, d in enumerate(demos):
-        ancestors = [d.source_entity_id] + [a for a, _ in store.lineage(d.source_entity_id, "down")]
-        for a in ancestors:
-            if not a.startswith("eval:"):
-                continue
-            ent = store.entity(a)
-            if ent is not None and (ent.get("state") or {}).get("split") == HELDOUT:
-                raise HeldOutDemonstrationError(
-                    f"demonstration {i} from {d.source_entity_id} descends from held-out eval {a}: "
-                    "held-out evals must never be trained on"
-                )
+from flywheel.train.demos import Demonstration
 
 
 def end_of_turn(tokenizer: Any) -> str:

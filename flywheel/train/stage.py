@@ -35,11 +35,11 @@ from typing import Any
 import pyarrow as pa
 
 from flywheel.config import objective_temperature
+from flywheel.policy.registry import ModelRefError, version_files
 from flywheel.tracking import DatasetSpec
-from flywheel.train.sft import Demonstration
+from flywheel.train.demos import Demonstration, check_demonstrations
 from flywheel.vocab.ids import canonical_json, json_id
-
-ADAPTER_MARKER = "adapter_config.json"
+from flywheel.vocab.refs import parse_model_entity
 
 
 @dataclass
@@ -73,36 +73,28 @@ def base_entity(base: str) -> str:
     return f"model:base/{Path(base).name or base}"
 
 
-def parse_model_entity(entity: str) -> tuple[str, int]:
-    """``model:policy/3 -> ("policy", 3)``; raises a clear error otherwise."""
-    body = entity.removeprefix("model:")
-    name, _, ver = body.rpartition("/")
-    if not entity.startswith("model:") or not name or not ver.isdigit():
-        raise TrainStageError(f"{entity!r} is not a model version id (expected model:<name>/<version>)")
-    return name, int(ver)
-
-
 def load_policy(cfg: Any, tracker: Any, base: str, *, device: str = "cpu") -> tuple[Any, Any, str]:
     """Load ``base`` (spec or ``model:<name>/<N>``) -> ``(model, tokenizer, base_model_spec)``.
 
-    ``base_model_spec`` is what a LoRA adapter trained from it must be applied to.
+    ``base_model_spec`` is what a LoRA adapter trained from it must be applied to. A registered
+    version is read by the one rule of :func:`flywheel.policy.registry.version_files` (adapter or
+    full model, and the adapter's base).
     """
-    from flywheel.policy.models import load_model
+    from flywheel.policy.models import load_model  # torch + transformers
 
     if not base.startswith("model:"):
         model, tok = load_model(base, home=cfg.home, device=device, dtype=cfg.policy.dtype)
         return model, tok, base
-    name, version = parse_model_entity(base)
-    directory = tracker.model_dir(name, version)
-    tags = dict(getattr(tracker.model_version(name, version), "tags", {}) or {})
-    if (Path(directory) / ADAPTER_MARKER).exists():
-        spec = tags.get("base_model")
-        if not spec:
-            raise TrainStageError(f"{base}: a LoRA adapter without a base_model tag; cannot load it")
-        model, tok = load_model(spec, home=cfg.home, device=device, dtype=cfg.policy.dtype, adapter=directory)
-        return model, tok, spec
-    model, tok = load_model(str(directory), home=cfg.home, device=device, dtype=cfg.policy.dtype)
-    return model, tok, str(directory)
+    try:
+        files = version_files(cfg, tracker, *parse_model_entity(base))
+    except (ValueError, ModelRefError) as e:
+        raise TrainStageError(str(e)) from None
+    if files.adapter:
+        model, tok = load_model(files.base_model, home=cfg.home, device=device, dtype=cfg.policy.dtype,
+                                adapter=files.directory)
+        return model, tok, files.base_model
+    model, tok = load_model(str(files.directory), home=cfg.home, device=device, dtype=cfg.policy.dtype)
+    return model, tok, str(files.directory)
 
 
 # -- shared run/registration plumbing ------------------------------------------------------------------
@@ -375,11 +367,11 @@ def train_sft(
 ) -> TrainResult:
     """Supervised warm start on demonstrations (answer tokens only); registers the result as ``challenger``.
 
-    Refuses held-out demonstrations (:class:`flywheel.train.sft.HeldOutDemonstrationError`) before
+    Refuses held-out demonstrations (:class:`flywheel.train.demos.HeldOutDemonstrationError`) before
     loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
     ``cfg.train.sft_lr`` unless ``steps``/``lr`` say otherwise; every other knob is ``cfg.train``.
     """
-    from flywheel.train.sft import check_demonstrations, demonstration_samples
+    from flywheel.train.sft import demonstration_samples
     from flywheel.train.trainer import batches
 
     if not demonstrations:

@@ -26,7 +26,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-__all__ = ["text_of", "require_text", "last_index", "answer_message", "message_text", "json_text"]
+__all__ = ["text_of", "request_content_text", "require_text", "last_index", "answer_message", "message_text",
+           "json_text"]
 
 NonStringText = Literal["skip", "stringify"]
 
@@ -72,6 +73,13 @@ def text_of(
                 out.append(str(value))
         return sep.join(out)
     return other(content)
+
+
+def request_content_text(content: Any) -> str:
+    """The split's frozen reading of content (see the module docstring): parts joined with ``" "``,
+    the text of every object part as a string. Request hashes and cluster names hash it, and synth
+    rewrites user text in this form (synthetic task ids hash the rewritten prompt)."""
+    return text_of(content, sep=" ", nonstring_text="stringify")
 
 
 def require_text(content: Any, where: str) -> str:

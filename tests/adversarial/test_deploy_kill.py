@@ -20,8 +20,9 @@ import time
 
 import pytest
 
+from flywheel.champion import CHAMPION, deployments, reconcile_champion
 from flywheel.config import load_config
-from flywheel.deploy import CHAMPION, DeployError, deployments, promote, rollback
+from flywheel.deploy import DeployError, promote, rollback
 from flywheel.store import ConcurrencyError, open_store
 from flywheel.tracking import Tracker
 
@@ -124,8 +125,6 @@ def test_finding10_sigkill_between_the_event_and_the_alias_move(world):
 
 
 def test_finding10_after_the_kill_the_move_is_recorded_and_completed_at_start_up(world):
-    from flywheel.deploy import reconcile_champion
-
     cfg, tracker = world
     name = cfg.cycle.model_name
     _kill_between(cfg)
@@ -153,8 +152,6 @@ def test_finding10_serve_completes_the_interrupted_move_at_start_up(world):
 
 
 def test_finding10_reconcile_completes_only_a_recorded_move(world):
-    from flywheel.deploy import reconcile_champion
-
     cfg, tracker = world
     name = cfg.cycle.model_name
     with open_store(cfg) as store:
@@ -188,8 +185,6 @@ def test_finding10_a_refused_append_leaves_the_alias_where_it_was(world, monkeyp
 
 
 def test_finding10_an_alias_move_that_fails_is_completed_later(world, monkeypatch):
-    from flywheel.deploy import reconcile_champion
-
     cfg, tracker = world
     name = cfg.cycle.model_name
     with open_store(cfg) as store:

@@ -75,8 +75,8 @@ def test_cycle_two_gates_on_a_superset_of_cycle_ones_heldout_suite(demo_run):
     home, res, _ = demo_run
     from flywheel.artifacts import open_artifacts
     from flywheel.config import load_config
-    from flywheel.evals import load_suite
     from flywheel.store import open_store
+    from flywheel.versioning import load_suite
 
     s1, s2 = (c["stages"]["gate"]["suite"] for c in res["cycles"])
     assert (s1, s2) == ("suite:heldout@1", "suite:heldout@2")

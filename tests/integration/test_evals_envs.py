@@ -16,12 +16,12 @@ from flywheel.artifacts import open_artifacts
 from flywheel.cli import app
 from flywheel.envs.harness import run_episodes, verify_task
 from flywheel.envs.testing import ScriptedPolicy
-from flywheel.evals import load_suite
 from flywheel.policy.base import SamplingParams
 from flywheel.policy.format import render_answer
 from flywheel.store import open_store
 from flywheel.verifiers import ToolCall
 from flywheel.verifiers.bfcl import load_bfcl, reference_calls
+from flywheel.versioning import load_suite
 
 N = 40
 

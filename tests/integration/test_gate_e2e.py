@@ -17,13 +17,14 @@ import json
 import pytest
 
 from flywheel.artifacts import open_artifacts
-from flywheel.deploy import DeployError, PromotionRefused, deployments, promote, rollback
-from flywheel.evals import suite_version_hash
+from flywheel.champion import deployments
+from flywheel.deploy import DeployError, PromotionRefused, promote, rollback
 from flywheel.evaluate import ModelRef, evaluate_model
 from flywheel.gate import run_gate
 from flywheel.policy.base import Sample, SamplingParams
 from flywheel.store import NewEvent
 from flywheel.tracking import Tracker
+from flywheel.versioning import suite_version_hash
 
 pytestmark = pytest.mark.slow
 

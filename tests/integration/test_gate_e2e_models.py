@@ -1,5 +1,5 @@
 """Real tiny Hugging Face models through the gate: a registered full model and a registered LoRA
-adapter load through :func:`load_policy_for_version`, and a challenger with the champion's exact
+adapter load through :func:`flywheel.policy.registry.load_policy_for_version`, and a challenger with the champion's exact
 weights is refused as "equal" (both generate the same answers greedily, through the real harness)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ TOOL = {"type": "function", "function": {"name": "echo", "description": "echo", 
 
 
 def _put_heldout(store, artifacts, n: int) -> str:
-    from flywheel.evals import suite_version_hash
     from flywheel.store import NewEvent
+    from flywheel.versioning import suite_version_hash
 
     members = [{
         "task_id": f"eval:h{i}", "prompt": {"messages": [{"role": "user", "content": f"echo v{i}"}], "tools": [TOOL]},
@@ -34,9 +34,9 @@ def test_full_and_adapter_versions_load_and_equal_weights_are_refused(cfg, store
 
     from flywheel.artifacts import open_artifacts
     from flywheel.deploy import promote
-    from flywheel.evaluate import load_policy_for_version
     from flywheel.gate import run_gate
     from flywheel.policy.hf import HFPolicy
+    from flywheel.policy.registry import load_policy_for_version
     from flywheel.store import NewEvent
     from flywheel.tracking import Tracker
     from flywheel.train.trainer import apply_lora

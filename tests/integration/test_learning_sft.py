@@ -37,7 +37,7 @@ def test_tiny_model_learns_the_call_format(cfg, store, tmp_path_factory):
     from flywheel.policy.format import render_prompt
     from flywheel.policy.models import ensure_base_model, load_model
     from flywheel.tracking import Tracker
-    from flywheel.train.sft import Demonstration
+    from flywheel.train.demos import Demonstration
     from flywheel.train.stage import train_sft
     from flywheel.verifiers import ToolCall, parse_tool_calls
 

@@ -109,9 +109,8 @@ def _ingest(it, home: Path, mlflow_url: str, *extra: str) -> dict:
 
 
 def test_autologged_openai_traces_come_in_with_messages_and_tool_calls(traced, mlflow_server, it):
-    from flywheel.artifacts import open_artifacts
+    from flywheel.artifacts import load_traces, open_artifacts
     from flywheel.config import load_config
-    from flywheel.ingest import load_traces
     from flywheel.store import open_store
 
     ids, root = traced

@@ -33,8 +33,8 @@ from typing import Any
 
 import pytest
 
-from flywheel.artifacts import ArtifactStore
-from flywheel.ingest import ingest_paths, load_traces
+from flywheel.artifacts import ArtifactStore, load_traces
+from flywheel.ingest import ingest_paths
 from flywheel.policy.base import Sample, SamplingParams
 from flywheel.policy.testing import session_tiny_home, tiny_policy
 from flywheel.serve import ServeLimits, create_app, run_in_thread, static_provider

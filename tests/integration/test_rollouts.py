@@ -12,7 +12,8 @@ from flywheel.artifacts import open_artifacts
 from flywheel.envs import build_envs
 from flywheel.envs.testing import ScriptedPolicy, append_failures, failure_payload, tool_spec
 from flywheel.evals import build_evals
-from flywheel.rollouts import ResolvedPolicy, RolloutError, run_rollouts, validate_rollouts
+from flywheel.policy.registry import ResolvedPolicy
+from flywheel.rollouts import RolloutError, run_rollouts, validate_rollouts
 from flywheel.tracking import Tracker
 
 WEATHER = tool_spec("get_weather", {"city": {"type": "string"}}, ["city"])

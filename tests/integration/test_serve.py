@@ -229,7 +229,8 @@ def test_api_key_is_required_on_every_request_when_set(policy):
 
 
 def test_public_bind_requires_a_key(cfg, monkeypatch):
-    from flywheel.serve import ServeError, is_loopback, resolve_api_key
+    from flywheel.net import is_loopback
+    from flywheel.serve import ServeError, resolve_api_key
 
     monkeypatch.delenv(cfg.serve.api_key_env, raising=False)
     assert resolve_api_key(cfg, None, "127.0.0.1") is None and is_loopback("::1") and is_loopback("localhost")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flywheel.train.advantages import (
+from flywheel.advantages import (
     STD_EPS,
     compute_advantages,
     soft_overlong_penalty,

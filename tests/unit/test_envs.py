@@ -7,9 +7,11 @@ import copy
 import pytest
 
 from flywheel.artifacts import open_artifacts
-from flywheel.envs.build import add_tasks_to_env, build_envs, list_envs, load_env
+from flywheel.envs.build import build_envs, list_envs
 from flywheel.envs.testing import append_failures, failure_payload, openai_call, tool_spec
-from flywheel.evals import TaskError, build_evals, load_suite
+from flywheel.evals import build_evals
+from flywheel.tasks import TaskError
+from flywheel.versioning import add_tasks_to_env, load_env, load_suite
 
 WEATHER = tool_spec("get_weather", {"city": {"type": "string"}}, ["city"])
 REQUESTS = [

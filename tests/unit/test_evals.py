@@ -13,9 +13,9 @@ from flywheel.evals import (
     compile_failure,
     compile_success,
     reference_from_correction,
-    validate_task,
 )
 from flywheel.policy.format import render_answer
+from flywheel.tasks import validate_task
 from flywheel.verifiers import ToolCall, VerifyContext
 
 WEATHER = tool_spec(

@@ -13,8 +13,9 @@ from flywheel.envs.testing import (
     openai_call,
     tool_spec,
 )
-from flywheel.evals import build_evals, eval_id, load_suite, suite_version_hash
+from flywheel.evals import build_evals, eval_id
 from flywheel.store import ConcurrencyError
+from flywheel.versioning import load_suite, suite_version_hash
 
 WEATHER = tool_spec("get_weather", {"city": {"type": "string"}}, ["city"])
 

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from flywheel.artifacts import ArtifactStore
+from flywheel.artifacts import ArtifactStore, load_traces
 from flywheel.ingest import (
     IngestRefused,
     ingest_paths,
     list_quarantine,
-    load_traces,
     replay_quarantine,
     show_quarantine,
 )

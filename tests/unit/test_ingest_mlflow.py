@@ -169,7 +169,8 @@ def _ingest(cfg, store, source, **kw):
 
 
 def test_ingest_is_idempotent_by_mlflow_trace_id_and_quarantines_with_reason(cfg, store):
-    from flywheel.ingest import load_traces, show_quarantine
+    from flywheel.artifacts import load_traces
+    from flywheel.ingest import show_quarantine
 
     bad = _trace([_span("retrieve", "RETRIEVER", sid="r", inputs={"q": "x"}, outputs=[])], tid="tr-bad")
     running = chat_trace(tid="tr-running", state="IN_PROGRESS")

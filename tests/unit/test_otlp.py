@@ -9,9 +9,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flywheel.artifacts import ArtifactStore
+from flywheel.artifacts import ArtifactStore, load_traces
 from flywheel.config import load_config
-from flywheel.ingest import ingest_paths, load_traces
+from flywheel.ingest import ingest_paths
 
 
 def kv(k, v):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from flywheel.train.data import TrainSample, make_micro_batches
+from flywheel.train.demos import Demonstration, HeldOutDemonstrationError, check_demonstrations
 from flywheel.train.losses import LossInputs, sft_loss
-from flywheel.train.sft import Demonstration, HeldOutDemonstrationError, check_demonstrations
 from flywheel.train.trainer import sequence_logprobs
 
 

@@ -8,9 +8,10 @@ from fixtures import agent_traffic
 
 from flywheel.artifacts import open_artifacts
 from flywheel.envs.testing import append_failures, failure_payload, openai_call
-from flywheel.evals import build_evals, load_suite
+from flywheel.evals import build_evals
 from flywheel.split import SplitIndex, deal, jaccard, normalise, request_key, request_text, tool_names
 from flywheel.verifiers.bfcl import bfcl_answer_to_expected, load_bfcl
+from flywheel.versioning import load_suite
 
 
 def test_request_text_is_the_user_turns_normalised_and_ignores_answers():

@@ -9,14 +9,15 @@ import json
 import re
 
 import pytest
+from fixtures.bfcl_seeds import bfcl_tasks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flywheel.contamination import request_text
 from flywheel.envs.testing import ScriptedPolicy, append_failures, failure_payload, tool_spec
 from flywheel.evals import eval_id
 from flywheel.synth import (
     Candidate,
-    bfcl_tasks,
     build_context,
     check_solvable,
     decontaminate,
@@ -24,7 +25,6 @@ from flywheel.synth import (
     generate_candidates,
     make_generators,
     mutate_task,
-    request_text,
     run_synth,
     seed_tasks,
     synth_task_id,
@@ -274,7 +274,7 @@ def _populate(store, cfg) -> None:
 @pytest.mark.slow
 def test_run_synth_records_the_funnel_widens_the_env_and_rerunning_appends_nothing(cfg, store):
     from flywheel.artifacts import open_artifacts
-    from flywheel.envs.build import load_env
+    from flywheel.versioning import load_env
 
     _populate(store, cfg)
     a = open_artifacts(cfg)
@@ -318,7 +318,7 @@ def test_run_synth_records_the_funnel_widens_the_env_and_rerunning_appends_nothi
 @pytest.mark.slow
 def test_difficulty_is_recorded_and_too_easy_tasks_can_be_dropped(cfg, store):
     from flywheel.artifacts import open_artifacts
-    from flywheel.envs.build import load_env
+    from flywheel.versioning import load_env
 
     _populate(store, cfg)
     a = open_artifacts(cfg)
@@ -367,8 +367,9 @@ def test_a_second_cycle_keeps_held_out_items_away_from_earlier_synthetic_tasks(c
     champion trained on its twin), and the batch is re-checked against heldout@2, so the gate's
     decontamination rule can vouch for every batch in a cycle-2 model's lineage."""
     from flywheel.artifacts import open_artifacts
-    from flywheel.envs.build import build_envs, load_env
-    from flywheel.evals import build_evals, load_suite
+    from flywheel.envs.build import build_envs
+    from flywheel.evals import build_evals
+    from flywheel.versioning import load_env, load_suite
 
     _populate(store, cfg)
     a = open_artifacts(cfg)

@@ -61,7 +61,7 @@ def test_dataset_context_must_be_known():
 
 
 def test_demonstrations_dataset_hashes_content_and_names_its_sources():
-    from flywheel.train.sft import Demonstration
+    from flywheel.train.demos import Demonstration
     from flywheel.train.stage import demonstrations_dataset
     from flywheel.verifiers import ToolCall
 

@@ -105,7 +105,7 @@ def soft_overlong_penalty(
 def zero_variance_share(
     rewards: torch.Tensor, group_ids: Sequence[str] | Sequence[int] | torch.Tensor
 ) -> float:
-    """Share of groups whose rewards are all equal (the SFT warm-start trigger of issue 12)."""
+    """Share of groups whose rewards are all equal (what decides an SFT warm start, `train.sft_trigger_zero_variance`)."""
     r = rewards.detach().to(torch.float32).reshape(-1)
     idx = group_index(group_ids).to(r.device)
     if r.numel() == 0:

@@ -1,0 +1,84 @@
+"""The layer contracts of pyproject.toml ([tool.importlinter]) hold for the tree, and each kind of
+contract catches a violation planted in a copy of it.
+
+grimp (import-linter's graph) walks the root package's directory, so the packages mapped from other
+folders by ``[tool.setuptools] package-dir`` (flows/, kernels/, schemas/, warehouse/) would be
+invisible and every import of them silently dropped: the tree is staged in its installed layout
+first (``<tmp>/flywheel/flows`` ...), and ``lint-imports`` runs on that copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = ROOT / "pyproject.toml"
+
+
+def _lint_imports() -> str:
+    exe = Path(sys.executable).parent / "lint-imports"
+    found = str(exe) if exe.exists() else shutil.which("lint-imports")
+    assert found, "lint-imports is not installed: it is in the dev extra (pip install -e '.[dev]')"
+    return found
+
+
+def stage_tree(dest: Path) -> Path:
+    """Copy the package into ``dest`` in its installed layout; return the staged root package dir."""
+    mapping = tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-dir"]
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for package, folder in sorted(mapping.items(), key=lambda kv: kv[0].count(".")):
+        target = dest.joinpath(*package.split("."))
+        if target.exists():  # a mapped subpackage replaces whatever the parent's copy holds there
+            shutil.rmtree(target)
+        shutil.copytree(ROOT / folder, target, ignore=ignore)
+    return dest / "flywheel"
+
+
+def run_contracts(staged_root: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(staged_root.parent)}
+    return subprocess.run([_lint_imports(), str(PYPROJECT), "--no-cache"], cwd=staged_root.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_tree_keeps_every_layer_contract(tmp_path):
+    res = run_contracts(stage_tree(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "3 kept, 0 broken" in res.stdout
+
+
+def test_staging_sees_the_packages_mapped_from_other_folders(tmp_path):
+    root = stage_tree(tmp_path)
+    for sub in ("flows/cycle.py", "kernels/fused_logprob.py", "schemas/rollouts.py", "warehouse/__init__.py"):
+        assert (root / sub).is_file(), sub
+
+
+@pytest.mark.parametrize(
+    ("module", "planted", "message"),
+    [
+        # core importing a face
+        ("store.py", "import flywheel.cli", "flywheel.store is not allowed to import flywheel.cli"),
+        # a stage importing another stage (lazily: function-level imports count)
+        ("rollouts.py", "from flywheel.gate import run_gate", "flywheel.rollouts is not allowed to import flywheel.gate"),
+        # a face in flows/ (mapped from another folder) imported by core
+        ("versioning.py", "import flywheel.flows.cycle", "flywheel.versioning is not allowed to import flywheel.flows"),
+        # core pulling a heavy optional package
+        ("config.py", "import torch", "flywheel.config is not allowed to import torch"),
+        # production code importing a test helper
+        ("synth.py", "from flywheel.envs.testing import failure_payload",
+         "- flywheel.synth -> flywheel.envs.testing"),
+    ],
+)
+def test_a_planted_violation_breaks_the_contracts(tmp_path, module, planted, message):
+    root = stage_tree(tmp_path)
+    target = root / module
+    target.write_text(target.read_text() + f"\n\ndef _planted():\n    {planted}\n")
+    res = run_contracts(root)
+    assert res.returncode != 0, res.stdout
+    assert message in res.stdout, res.stdout + res.stderr
