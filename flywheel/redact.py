@@ -537,7 +537,7 @@ class Redactor:
         return self.text(line)
 
     def trace(self, rec: dict[str, Any]) -> dict[str, Any]:
-        """Redact a trace record (the DESIGN.md trace input shape) without changing its structure."""
+        """Redact a trace record (the shape of ``schemas/trace.schema.json``) without changing its structure."""
         if not self.enabled or not self.rules:
             return rec
         out: dict[str, Any] = {}

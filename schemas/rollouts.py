@@ -1,4 +1,4 @@
-"""Arrow schema of the rollout Parquet (DESIGN.md, "Rollout Parquet").
+"""Arrow schema of the rollout Parquet that the rollouts stage writes and the trainer reads.
 
 One row per sample. Token-level columns are aligned: ``completion_token_ids``, ``sampler_logprobs``
 and ``loss_mask`` have the same length. For multi-turn trajectories the completion is the whole

@@ -1,6 +1,6 @@
 """Input formats: line parsing, format detection, and the BFCL adapter (OTLP: :mod:`flywheel.ingest.otlp`).
 
-Every adapter produces the DESIGN.md trace shape, which then goes through the same validation,
+Every adapter produces the trace shape of ``schemas/trace.schema.json``, which then goes through the same validation,
 redaction and classification as an OpenAI-format record.
 
 OpenTelemetry (``otel``)

@@ -12,7 +12,7 @@ in ``ingest.workers`` worker processes (:mod:`flywheel.ingest.worker`; an OpenAI
 split between them by batch number, other formats use one), each at most one batch ahead of the
 commit; smaller files (and quarantine replay) use a background thread one batch ahead, which
 overlaps only what releases the GIL (DuckDB, Parquet). Either way a batch reaches the commit as an
-Arrow table, and the commit works column-wise. Measured on 2 cores (issue 3 benchmark, 1M traces):
+Arrow table, and the commit works column-wise. Measured on 2 cores (``benchmarks/bench_ingest.py``, 1M traces):
 one worker process 21.7k-24.4k traces/s (17.5k-18.4k in runs where this shared host was slower, its
 naive peer too), peak RSS 1.77 GB (main + worker); the thread path 4.7k-13k. Bounded by total CPU
 (65-80 µs a trace over both processes).

@@ -23,7 +23,7 @@ the OTLP assembler keeps traces open across lines, so when reading a line raises
 had read of that line stays with its traces (the line is quarantined; replaying it later finds
 those traces already ingested).
 
-Cost per record (measured on the issue 3 benchmark workload, 2 cores, gc enabled): parse ~7 µs,
+Cost per record (measured on the ``benchmarks/bench_ingest.py`` workload, 2 cores, gc enabled): parse ~7 µs,
 validation ~6 µs, classification of a failure ~15 µs (a success: < 1 µs), failure identity ~6 µs,
 serialising the redacted trace ~2 µs.
 """

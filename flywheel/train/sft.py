@@ -1,8 +1,7 @@
 """SFT warm start: demonstrations -> rendered (prompt, answer) token samples, held-out data refused.
 
 When the policy never succeeds (every GRPO group scores the same), group advantages are all zero and
-GRPO learns nothing; a short supervised phase on demonstrations teaches the answer format first
-(issue 12). Demonstrations come from the flywheel itself: corrections of train-split failures,
+GRPO learns nothing; a short supervised phase on demonstrations teaches the answer format first. Demonstrations come from the flywheel itself: corrections of train-split failures,
 reference answers of accepted synthetic tasks, successful production traces. The evals stage builds
 them; this module renders and trains on them.
 

@@ -398,7 +398,7 @@ def train_sft(
 
 
 def choose_mode(zero_variance_share: float, pass_at_k: float, *, threshold: float) -> tuple[str, str]:
-    """``auto`` policy of issue 12: ``("sft", why)`` when GRPO would learn (almost) nothing, else grpo.
+    """The ``auto`` policy: ``("sft", why)`` when GRPO would learn (almost) nothing, else grpo.
 
     SFT first when the share of zero-variance groups exceeds ``threshold`` (default 0.9) or no
     sample passed at all (pass@K = 0): every advantage is then (nearly) zero.

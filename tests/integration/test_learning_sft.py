@@ -1,4 +1,4 @@
-"""SFT warm start teaches a tiny random model a fixed tool-call format (issue 12).
+"""SFT warm start teaches a tiny random model a fixed tool-call format.
 
 Two demonstrations, rendered through the shared format (``flywheel.policy.format``), train the
 ``tiny`` model (random, 64-d, SmolLM2 tokenizer) through the real ``train_sft`` stage. Within the

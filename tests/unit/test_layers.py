@@ -82,3 +82,13 @@ def test_a_planted_violation_breaks_the_contracts(tmp_path, module, planted, mes
     res = run_contracts(root)
     assert res.returncode != 0, res.stdout
     assert message in res.stdout, res.stdout + res.stderr
+
+
+def test_importing_the_config_loads_no_other_flywheel_module():
+    """``import flywheel.config`` (what every face and worker does first) pulls no stage, engine or
+    store module: read from ``python -X importtime``, as a reviewer would check it."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import flywheel.config"],
+                         capture_output=True, text=True, timeout=120, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    modules = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    ours = sorted(m for m in modules if m == "flywheel" or m.startswith("flywheel."))
+    assert ours == ["flywheel", "flywheel.config"], ours
