@@ -172,6 +172,16 @@ store.close()
 """
 
 
+
+def status_read_ms(EventStore, location: str) -> float:  # noqa: N803 (the class under test)
+    """One `flywheel status`-like read: open, counts by kind, the newest events, close (milliseconds)."""
+    t0 = time.perf_counter()
+    with EventStore(location) as s:
+        s.counts_by_kind()
+        s.read(limit=10, newest_first=True)
+        s.last_seq()
+    return (time.perf_counter() - t0) * 1000
+
 def reads_while_writing(location: str, batch: int, n: int, reads: int) -> dict:
     """Embedded: a writer process owns the warehouse and appends n events; meanwhile this process runs
     what `flywheel status` reads (counts by kind, the last events, the last seq) ``reads`` times, each
@@ -191,24 +201,14 @@ def reads_while_writing(location: str, batch: int, n: int, reads: int) -> dict:
     w = writer()
     lat = []
     while len(lat) < reads:
-        t0 = time.perf_counter()
-        with EventStore(location) as s:
-            s.counts_by_kind()
-            s.read(limit=10, newest_first=True)
-            s.last_seq()
-        lat.append((time.perf_counter() - t0) * 1000)
+        lat.append(status_read_ms(EventStore, location))
         if w.poll() is not None:
             break
     rate_busy = json.loads(w.stdout.readline())["rate"]
     w.wait()
     quiet = []  # peer: the same reads on the same store with no writer (their own cost)
     for _ in range(len(lat)):
-        t0 = time.perf_counter()
-        with EventStore(location) as s:
-            s.counts_by_kind()
-            s.read(limit=10, newest_first=True)
-            s.last_seq()
-        quiet.append((time.perf_counter() - t0) * 1000)
+        quiet.append(status_read_ms(EventStore, location))
     return {"latencies_ms": lat, "quiet_ms": quiet, "rate_alone": rate_alone, "rate_with_reads": rate_busy}
 
 
