@@ -172,7 +172,6 @@ store.close()
 """
 
 
-
 def status_read_ms(EventStore, location: str) -> float:  # noqa: N803 (the class under test)
     """One `flywheel status`-like read: open, counts by kind, the newest events, close (milliseconds)."""
     t0 = time.perf_counter()
@@ -181,6 +180,7 @@ def status_read_ms(EventStore, location: str) -> float:  # noqa: N803 (the class
         s.read(limit=10, newest_first=True)
         s.last_seq()
     return (time.perf_counter() - t0) * 1000
+
 
 def reads_while_writing(location: str, batch: int, n: int, reads: int) -> dict:
     """Embedded: a writer process owns the warehouse and appends n events; meanwhile this process runs
