@@ -86,16 +86,28 @@ def test_bad_config_is_one_line_error(home, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_init_registers_the_base_model_as_champion_once(home, tmp_path, monkeypatch):
     """On a fresh home `champion` names a registered version (trace champion, serve --champion work
-    before the first promotion); a second init keeps it and registers nothing."""
+    before the first promotion); a second init keeps it and registers nothing. Run as the real CLI
+    process: building the model imports libraries that print to stdout, which only the real
+    process's --json guard (cli.common.reserve_stdout_for_json, fd level) keeps off the JSON."""
+    import os
+    import subprocess
+    import sys
+
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("FLYWHEEL_POLICY__BASE_MODEL", "tiny")
-    first = run_json("init")
+    env = {**os.environ, "FLYWHEEL_POLICY__BASE_MODEL": "tiny", "FLYWHEEL_POLICY__DEVICE": "cpu"}
+
+    def cli(*args):
+        p = subprocess.run([sys.executable, "-m", "flywheel", *args, "--json"], env=env, capture_output=True,
+                           text=True, timeout=1800)
+        assert p.returncode == 0, p.stderr[-4000:]
+        return json.loads(p.stdout)
+
+    first = cli("init")
     assert first["champion"] == {"model": "model:policy/1", "created": True, "reason": None}
-    events = first["events"]
-    again = run_json("init")
+    again = cli("init")
     assert again["champion"] == {"model": "model:policy/1", "created": False, "reason": None}
-    assert again["events"] == events
-    assert run_json("trace", "champion")["root"] == "model:policy/1"
+    assert again["events"] == first["events"]
+    assert cli("trace", "champion")["root"] == "model:policy/1"
     with EventStore(first["warehouse"]) as s:
         assert [e.type for e in s.read(stream="model:policy")][:1] == ["model.registered"]
 
