@@ -48,7 +48,7 @@ from flywheel.cycle import (
 )
 from flywheel.sandbox import isolation_report
 from flywheel.store import NewEvent
-from flywheel.train.demos import demonstrations_from_tasks
+from flywheel.train.demos import train_split_demonstrations
 
 # The resources of the running cycle (one writer connection per process): set by the flow, read by
 # its tasks. Tasks get only plain values as parameters so Prefect can record and hash them.
@@ -147,15 +147,9 @@ def rollout_stage(key: str, policy: str, correlation_id: str) -> dict:
 @task(name="train-sft", **STAGE)
 def sft_stage(key: str, base: str, correlation_id: str) -> dict:
     from flywheel.train.stage import train_sft
-    from flywheel.versioning import load_env, load_suite
 
     r = _res()
-    env = load_env(r.store, r.artifacts, r.cfg.cycle.train_env)
-    try:
-        regression = load_suite(r.store, r.artifacts, r.cfg.cycle.regression_suite).tasks
-    except LookupError:
-        regression = []
-    demos = demonstrations_from_tasks(env.tasks, regression)
+    demos = train_split_demonstrations(r.cfg, r.store, r.artifacts)
     if not demos:
         return publish_stage("train-sft", {"skipped": "no demonstrations: no train task has a reference answer"})
 

@@ -127,32 +127,12 @@ def demo_overrides(profile: str, home: Path, seed: int | None = None) -> dict[st
 
 
 def ensure_champion(cfg: Any, store: Any, tracker: Any) -> tuple[int, bool]:
-    """Register the base model as the first version of ``cycle.model_name`` and make it champion.
+    """Register the base model as the first version of ``cycle.model_name`` and make it champion
+    (:func:`flywheel.deploy.bootstrap_champion`, what ``flywheel init`` does too). Idempotent: an
+    existing champion is kept (a re-run of the demo continues from it)."""
+    from flywheel.deploy import bootstrap_champion
 
-    Idempotent: an existing champion is kept (a re-run of the demo continues from it).
-    """
-    from flywheel.champion import reconcile_champion
-    from flywheel.deploy import promote
-    from flywheel.policy.models import ensure_base_model
-    from flywheel.store import NewEvent
-
-    name = cfg.cycle.model_name
-    current = reconcile_champion(store, tracker, name).champion  # a bootstrap killed half-way is completed
-    if current is not None:
-        return current, False
-    spec = cfg.policy.base_model
-    directory = ensure_base_model(spec, cfg.home)
-    model_ent_base = f"model:base/{Path(spec).name or spec}"
-    with tracker.run("bootstrap-champion", consumes=[model_ent_base], tags={"base_model": spec}) as run:
-        version = tracker.register_model(name, directory, run_id=run.run_id,
-                                         tags={"base_model": spec, "adapter": "false", "mode": "base"})
-    store.append(f"model:{name}", NewEvent("model.registered", {
-        "entity_id": f"model:{name}/{version}", "name": name, "version": version, "adapter": "full",
-        "base_model": spec, "mlflow_run_id": run.run_id, "aliases": ["champion"],
-    }, [model_ent_base]))
-    promote(cfg, store, tracker, version, force=True,
-            reason="demo bootstrap: the base model is the first champion (nothing to gate it against)")
-    return version, True
+    return bootstrap_champion(cfg, store, tracker)
 
 
 # ---------------------------------------------------------------------------------- step 2: traffic

@@ -253,6 +253,38 @@ def rollback(
     return Deployment(**{**dep.to_json(), "seq": seq})
 
 
+def bootstrap_champion(cfg: Any, store: Any, tracker: Any) -> tuple[int, bool]:
+    """Register the base model (``[policy] base_model``) as the first version of ``[cycle]
+    model_name`` and make it ``champion`` (forced: there is nothing to gate it against); returns
+    ``(champion version, created)``. What ``flywheel init`` and the demo do, so ``champion`` names a
+    registered version (``trace champion``, ``serve --champion``) before the first promotion.
+
+    Idempotent: an existing champion is kept (an interrupted bootstrap or promotion is completed
+    first). Raises :class:`flywheel.policy.models.ModelLoadError` when the base model cannot be
+    materialised locally (a hub name, a missing directory): nothing is registered then."""
+    from pathlib import Path
+
+    from flywheel.policy.models import ensure_base_model
+
+    name = cfg.cycle.model_name
+    current = reconcile_champion(store, tracker, name).champion  # a bootstrap killed half-way is completed
+    if current is not None:
+        return current, False
+    spec = cfg.policy.base_model
+    directory = ensure_base_model(spec, cfg.home)
+    model_ent_base = f"model:base/{Path(spec).name or spec}"
+    with tracker.run("bootstrap-champion", consumes=[model_ent_base], tags={"base_model": spec}) as run:
+        version = tracker.register_model(name, directory, run_id=run.run_id,
+                                         tags={"base_model": spec, "adapter": "false", "mode": "base"})
+    store.append(f"model:{name}", NewEvent("model.registered", {
+        "entity_id": f"model:{name}/{version}", "name": name, "version": version, "adapter": "full",
+        "base_model": spec, "mlflow_run_id": run.run_id, "aliases": ["champion"],
+    }, [model_ent_base]))
+    promote(cfg, store, tracker, version, force=True,
+            reason="bootstrap: the base model is the first champion (nothing to gate it against)")
+    return version, True
+
+
 # --------------------------------------------------------------------------------------------
 # serving the champion
 

@@ -102,6 +102,7 @@ from flywheel.policy.base import Policy, PromptTooLongError, SamplingParams
 from flywheel.policy.batching import BatchingPolicy
 from flywheel.policy.models import ModelLoadError
 from flywheel.store import NewEvent, StoreLockedError, open_store
+from flywheel.tracking import Tracker
 
 if TYPE_CHECKING:
     import uvicorn
@@ -898,12 +899,27 @@ def static_provider(name: str, policy: Any) -> PolicyProvider:
     return lambda: (name, policy)
 
 
-def build_policy(cfg: FlywheelConfig, model: str | None = None) -> tuple[str, Any]:
-    """Load ``model`` (default ``cfg.policy.base_model``) with the HF backend; name = spec or dir name."""
+def build_policy(cfg: FlywheelConfig, model: str | None = None, tracker: Tracker | None = None) -> tuple[str, Any]:
+    """Load ``model`` (default ``cfg.policy.base_model``) with the HF backend, taking the references
+    of ``flywheel rollout --policy`` (:func:`flywheel.policy.registry.resolve_model`): a registered
+    version (``champion``, ``challenger``, ``model:<name>/<N>``, ``<name>/<N>``) is loaded as it is
+    now (pinned: ``--champion`` follows the alias) and served as ``<name>-<N>``; a spec or directory
+    is served under the spec or the directory's name. ``champion`` before the first promotion is
+    the base model. A server URL is refused (:class:`ServeError`)."""
     from flywheel.policy.hf import HFPolicy
+    from flywheel.policy.registry import ModelRefError, load_policy_for_version, resolve_model
 
-    spec = model or cfg.policy.base_model
-    name = spec if spec in ("smollm2-135m", "tiny") else Path(spec).expanduser().resolve().name
+    try:
+        m = resolve_model(cfg, tracker or Tracker(cfg), model or cfg.policy.base_model)
+    except ModelRefError as e:
+        raise ServeError(f"cannot serve {model!r}: {e}") from None
+    if m.url is not None:
+        raise ServeError(f"cannot serve {m.url}: it is a server already (serve a model spec, a directory "
+                         "or a registered version)")
+    if m.version is not None:
+        return f"{m.name}-{m.version}", load_policy_for_version(cfg, tracker or Tracker(cfg), m.name, m.version)  # type: ignore[arg-type]
+    spec = m.spec
+    name = spec if spec in ("smollm2-135m", "tiny") else Path(spec).expanduser().resolve().name  # type: ignore[arg-type]
     policy = HFPolicy.from_spec(spec, cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype, name=name)
     return name, policy
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -19,6 +20,10 @@ from flywheel.cli.common import (
     out,
     print_table,
 )
+
+if TYPE_CHECKING:  # the store (duckdb) loads when a command opens it, not when the CLI starts
+    from flywheel.config import FlywheelConfig
+    from flywheel.store import EventStore
 
 
 def _sandbox_rows(report: dict) -> list[tuple[str, str]]:
@@ -48,15 +53,27 @@ def register(app: typer.Typer) -> None:
 
 
 @handle_errors
-def init(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) -> None:
-    """Create the home directory, the warehouse (migrations applied) and the artifact store, and say
-    which sandbox isolation python_tests/shell verifiers get on this machine."""
+def init(
+    home: str = HomeOpt,
+    config: str = ConfigOpt,
+    as_json: bool = JsonOpt,
+    champion: bool = typer.Option(
+        True, "--champion/--no-champion", help="Register [policy] base_model as the first version of [cycle] "
+        "model_name with the alias champion (kept when one exists), so `champion` names a registered version "
+        "before the first promotion."),
+) -> None:
+    """Create the home directory, the warehouse (migrations applied) and the artifact store, register
+    the base model as champion, and say which sandbox isolation python_tests/shell verifiers get on
+    this machine. Idempotent."""
     from flywheel.artifacts import open_artifacts
     from flywheel.sandbox import isolation_report
     from flywheel.store import open_store
 
     cfg = load(home, config)
+    champ: dict[str, Any] | None = None
     with open_store(cfg) as s:
+        if champion:
+            champ = _bootstrap_champion(cfg, s)
         counts = s.projection_counts()
         where = s.location
     arts = open_artifacts(cfg)
@@ -70,10 +87,35 @@ def init(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) 
     }
     sandbox = isolation_report(cfg.sandbox)
     if as_json:
-        emit_json({**info, "sandbox": sandbox})
+        emit_json({**info, "champion": champ, "sandbox": sandbox})
     else:
-        print_table("flywheel initialised", ["what", "where"], [(k, v) for k, v in info.items()] + _sandbox_rows(sandbox))
+        rows = [(k, v) for k, v in info.items()]
+        if champ is not None:
+            rows.append(("champion", champ["model"] + (" (registered now)" if champ["created"] else "")
+                         if champ["model"] else f"none: {champ['reason']}"))
+        print_table("flywheel initialised", ["what", "where"], rows + _sandbox_rows(sandbox))
         _warn_sandbox(sandbox)
+        if champ is not None and not champ["model"]:
+            console.print(f"[yellow]no champion registered[/]: {champ['reason']}")
+
+
+def _bootstrap_champion(cfg: FlywheelConfig, store: EventStore) -> dict[str, Any]:
+    """``flywheel.deploy.bootstrap_champion``; a base model that cannot be materialised here (a hub
+    name, a missing directory) or a served one (``policy.backend = "openai"``) is reported, not fatal:
+    ``champion`` then means the base model until the first promotion."""
+    from flywheel.deploy import bootstrap_champion
+    from flywheel.policy.models import ModelLoadError
+    from flywheel.tracking import Tracker
+
+    name = cfg.cycle.model_name
+    if cfg.policy.backend == "openai":
+        return {"model": None, "created": False,
+                "reason": "policy.backend is 'openai': the champion is the served model until the first promotion"}
+    try:
+        version, created = bootstrap_champion(cfg, store, Tracker(cfg))
+    except ModelLoadError as e:
+        return {"model": None, "created": False, "reason": str(e)}
+    return {"model": f"model:{name}/{version}", "created": created, "reason": None}
 
 
 @handle_errors

@@ -48,6 +48,23 @@ def _open(home: str | None, config: str | None, overrides: dict[str, Any] | None
     return cfg, open_store(cfg), open_artifacts(cfg), Tracker(cfg)
 
 
+def registered_version(cfg: Any, tracker: Any, ref: str) -> int:
+    """The version of ``[cycle] model_name`` that ``ref`` names: the references of ``rollout --policy``
+    that name a registered version (``challenger``, ``champion``, ``model:<name>/<N>``,
+    ``<name>/<N>``) or a bare version number. A version of another registered model is refused: the
+    gate and the champion alias belong to ``[cycle] model_name``."""
+    from flywheel.policy.registry import ModelRefError, resolve_model
+
+    try:
+        m = resolve_model(cfg, tracker, ref, bare_version=True, registered_only=True)
+    except ModelRefError as e:
+        raise CliError(str(e)) from None
+    if m.name != cfg.cycle.model_name:
+        raise CliError(f"{m.ref} is not a version of [cycle] model_name {cfg.cycle.model_name!r}: the gate "
+                       "compares versions of that model with its champion")
+    return int(m.version)  # type: ignore[arg-type]
+
+
 def _gate_errors() -> tuple[type[BaseException], ...]:
     from flywheel.deploy import DeployError
     from flywheel.evaluate import EvaluationError
@@ -85,16 +102,20 @@ def render_decision(decision: Any) -> None:
 
 @handle_errors
 def gate(
-    model_version: int = typer.Argument(..., help="Registered version of [cycle] model_name to gate."),
+    model: str = typer.Argument(
+        "challenger", help="challenger | champion | model:<name>/<N> | <name>/<N> | a version number N of "
+        "[cycle] model_name (default: challenger)."),
     suite: str = typer.Option(None, "--suite", help="Held-out suite (name or name@version); default the latest [cycle] heldout_suite."),
     home: str = HomeOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Evaluate MODEL_VERSION against the champion and decide. Exit 0 pass, 3 refused, 4 insufficient evidence, 1 error."""
+    """Evaluate MODEL (a registered version, default the challenger) against the champion and decide.
+    Exit 0 pass, 3 refused, 4 insufficient evidence, 1 error."""
     from flywheel.gate import run_gate
 
     cfg, store, artifacts, tracker = _open(home, config)
+    model_version = registered_version(cfg, tracker, model)
     try:
         with store:
             decision = run_gate(cfg, store, artifacts, tracker, model_version, suite=suite)
@@ -110,18 +131,20 @@ def gate(
 
 @handle_errors
 def promote(
-    model_version: int = typer.Argument(..., help="Registered version to make champion."),
+    model: str = typer.Argument(..., help="Registered version to make champion: challenger | model:<name>/<N> | "
+                                "<name>/<N> | a version number N of [cycle] model_name."),
     force: bool = typer.Option(False, "--force", help="Promote without a passing gate decision (needs --reason)."),
     reason: str = typer.Option(None, "--reason", help="Why (required with --force; recorded in the event)."),
     home: str = HomeOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Move the champion alias to MODEL_VERSION; refused (exit 3) without a passing gate decision."""
+    """Move the champion alias to MODEL; refused (exit 3) without a passing gate decision."""
     from flywheel.deploy import PromotionRefused
     from flywheel.deploy import promote as do_promote
 
     cfg, store, _artifacts, tracker = _open(home, config)
+    model_version = registered_version(cfg, tracker, model)
     try:
         with store:
             dep = do_promote(cfg, store, tracker, model_version, force=force, reason=reason)

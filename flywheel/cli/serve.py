@@ -14,7 +14,9 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def serve(
     model: str = typer.Option(
-        None, "--model", help="'smollm2-135m', 'tiny' or a local HF model directory (default: policy.base_model)."
+        None, "--model", help="champion | challenger | model:<name>/<N> | <name>/<N> (a registered version, "
+        "loaded as it is now; --champion follows the alias) | 'smollm2-135m' | 'tiny' | a local HF model directory "
+        "(default: policy.base_model)."
     ),
     host: str = typer.Option(None, "--host", help="Bind address (default serve.host, 127.0.0.1)."),
     port: int = typer.Option(None, "--port", help="Port (default serve.port, 8000; 0 picks a free one)."),

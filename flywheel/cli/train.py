@@ -49,13 +49,16 @@ def _demonstrations(path: Path) -> list:
 
 @handle_errors
 def train(
-    rollouts: list[str] = typer.Option([], "--rollouts", help="Rollout dataset ids (rollouts:<id>); repeatable."),
+    rollouts: list[str] = typer.Option(
+        [], "--rollouts", help="Rollout dataset ids (rollouts:<id>); repeatable (default: the latest published)."),
     mode: str = typer.Option(None, "--mode", help="sft | grpo | auto (default: config train.mode)."),
     loss: str = typer.Option(None, "--loss", help=" | ".join(LOSS_NAMES) + " (default: train.loss)."),
     lora_r: int = typer.Option(None, "--lora-r", help="LoRA rank; 0 = full fine-tuning."),
     steps: int = typer.Option(None, "--steps", help="Optimizer steps (GRPO) or SFT steps."),
-    base: str = typer.Option(None, "--base", help="Base: model spec, local dir or model:<name>/<N>."),
-    demos: Path = typer.Option(None, "--demos", help="Demonstrations (JSON lines) for SFT."),
+    base: str = typer.Option(None, "--base", help="Base: champion | challenger | model:<name>/<N> | <name>/<N> | a model spec or "
+                               "local dir (default: champion, the base model before the first promotion)."),
+    demos: Path = typer.Option(None, "--demos", help="Demonstrations (JSON lines) for SFT (default: the reference "
+                               "answers of the train split and the regression suite, as the cycle uses)."),
     deepspeed: str = typer.Option(None, "--deepspeed", help="DeepSpeed config, e.g. infra/deepspeed/zero2.json."),
     logprob_impl: str = typer.Option(None, "--logprob-impl", help="fused | naive log-prob path (train.logprob_impl)."),
     home: str = HomeOpt,
@@ -67,31 +70,28 @@ def train(
                                   "logprob_impl": logprob_impl}.items() if v is not None}
     cfg = load(home, config, {"train": train_ov} if train_ov else None)
     from flywheel.artifacts import open_artifacts
+    from flywheel.policy.registry import ModelRefError
     from flywheel.store import open_store
     from flywheel.tracking import Tracker
     from flywheel.train import stage
+    from flywheel.train.demos import train_split_demonstrations
 
     chosen, why = cfg.train.mode, "requested"
     with open_store(cfg) as store:
         artifacts, tracker = open_artifacts(cfg), Tracker(cfg)
-        if chosen == "auto":
+        try:
+            base = stage.resolve_base(cfg, tracker, base)
+        except (ModelRefError, stage.TrainStageError) as e:
+            raise CliError(str(e)) from None
+        if not rollouts and chosen != "sft":
+            rollouts = stage.latest_rollouts(store)
             if not rollouts:
-                raise CliError("--mode auto needs --rollouts to measure the policy's zero-variance share")
-            import torch
-
-            from flywheel.advantages import zero_variance_share
-            from flywheel.train.data import load_rollout_tables
-
-            zv, passed, n = 0.0, 0, 0
-            for _, t, _ in load_rollout_tables(store, artifacts, rollouts):
-                d = t.to_pydict()
-                ok = [e is None for e in d.get("infra_error", [None] * t.num_rows)]
-                r = torch.tensor([x for x, k in zip(d["reward"], ok, strict=True) if k])
-                g = [x for x, k in zip(d["group_id"], ok, strict=True) if k]
-                zv += zero_variance_share(r, g) * len(set(g))
-                n += len(set(g))
-                passed += sum(p for p, k in zip(d["passed"], ok, strict=True) if k)
-            chosen, why = stage.choose_mode(zv / max(n, 1), float(passed > 0), threshold=cfg.train.sft_trigger_zero_variance)
+                raise CliError(f"--mode {chosen} needs rollouts and none was ever published: run `flywheel rollout` "
+                               "first (or pass --rollouts ID)")
+            if not as_json:
+                console.print(f"[bold]rollouts[/] {rollouts[0]} (the latest published)")
+        if chosen == "auto":
+            chosen, why = stage.auto_mode(cfg, store, artifacts, rollouts)
         if not as_json:
             console.print(f"[bold]mode[/] {chosen}: {why}")
         total = (cfg.train.sft_steps if chosen == "sft" else cfg.train.steps) if steps is None else steps
@@ -102,13 +102,22 @@ def train(
                 bar.update(task, completed=step, rate=f"loss {m['loss']:.4f}  {m['tokens_per_s']:.0f} tok/s")
 
             if chosen == "sft":
-                if demos is None:
-                    raise CliError("SFT needs demonstrations: pass --demos FILE.jsonl (built from the train split)")
-                res = stage.train_sft(cfg, store, artifacts, tracker, _demonstrations(demos), base=base, steps=steps,
+                if demos is not None:
+                    demonstrations = _demonstrations(demos)
+                else:  # what the cycle trains on: the train split's reference answers
+                    try:
+                        demonstrations = train_split_demonstrations(cfg, store, artifacts)
+                    except LookupError as e:
+                        raise CliError(f"SFT needs demonstrations and there is no training environment ({e}): "
+                                       "run `flywheel evals build && flywheel envs build`, or pass --demos FILE.jsonl") from None
+                    if not demonstrations:
+                        raise CliError(f"SFT needs demonstrations and no task of {cfg.cycle.train_env!r} has a reference "
+                                       "answer: pass --demos FILE.jsonl")
+                    if not as_json:
+                        console.print(f"[bold]demonstrations[/] {len(demonstrations)} from the train split")
+                res = stage.train_sft(cfg, store, artifacts, tracker, demonstrations, base=base, steps=steps,
                                       on_step=on_step)
             else:
-                if not rollouts:
-                    raise CliError("GRPO needs --rollouts ID (see `flywheel events --type rollouts.published`)")
                 res = stage.train_grpo(cfg, store, artifacts, tracker, rollouts, base=base, steps=steps,
                                        on_step=on_step)
     info = {**res.to_dict(), "why": why}

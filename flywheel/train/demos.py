@@ -16,11 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flywheel.artifacts import ArtifactStore
+from flywheel.config import FlywheelConfig
 from flywheel.store import EventStore
 from flywheel.verifiers import ToolCall
+from flywheel.versioning import load_env, load_suite
 
 __all__ = ["HELDOUT", "Demonstration", "HeldOutDemonstrationError", "check_demonstrations",
-           "demonstrations_from_tasks"]
+           "demonstrations_from_tasks", "train_split_demonstrations"]
 
 HELDOUT = "heldout"
 
@@ -103,3 +106,16 @@ def demonstrations_from_tasks(train_tasks: list[dict], regression_tasks: list[di
             source_entity_id=source, split="train" if split == "regression" else split, **kw,
         ))
     return demos
+
+
+def train_split_demonstrations(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore) -> list[Demonstration]:
+    """The default SFT demonstrations (what ``flywheel train`` and the cycle use when none are given):
+    :func:`demonstrations_from_tasks` over the latest ``[cycle] train_env`` environment (train-split
+    evals and accepted synthetic tasks) and the latest ``[cycle] regression_suite`` when there is one.
+    Raises ``LookupError`` when the training environment was never built."""
+    env = load_env(store, artifacts, cfg.cycle.train_env)
+    try:
+        regression = load_suite(store, artifacts, cfg.cycle.regression_suite).tasks
+    except LookupError:
+        regression = []
+    return demonstrations_from_tasks(env.tasks, regression)

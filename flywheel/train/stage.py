@@ -408,3 +408,42 @@ def choose_mode(zero_variance_share: float, pass_at_k: float, *, threshold: floa
     if zero_variance_share > threshold:
         return "sft", f"{zero_variance_share:.0%} of groups have zero reward variance (> {threshold:.0%})"
     return "grpo", f"{zero_variance_share:.0%} zero-variance groups, pass@K {pass_at_k:.2f}"
+
+
+def resolve_base(cfg: Any, tracker: Any, ref: str | None = None) -> str:
+    """What to train from: ``ref`` (any reference of :func:`flywheel.policy.registry.resolve_model`;
+    default ``champion``, as the cycle does) as ``model:<name>/<N>`` for a registered version, else
+    the base spec or directory. A server URL is refused: training needs the weights."""
+    from flywheel.policy.registry import resolve_model
+
+    m = resolve_model(cfg, tracker, ref or "champion")
+    if m.url is not None:
+        raise TrainStageError(f"cannot train from {m.url}: a server URL has no weights to train")
+    return m.ref if m.version is not None else m.spec  # type: ignore[return-value]
+
+
+def latest_rollouts(store: Any) -> list[str]:
+    """The default rollouts of ``flywheel train``: the most recently published rollout dataset, as
+    ``[rollouts:<id>]`` (empty when none was ever published)."""
+    last = store.read(types="rollouts.published", limit=1, newest_first=True)
+    return [last[0].stream] if last else []
+
+
+def auto_mode(cfg: Any, store: Any, artifacts: Any, rollout_ids: Sequence[str]) -> tuple[str, str]:
+    """``train.mode = auto`` over published rollout datasets: :func:`choose_mode` on their share of
+    zero-variance groups and whether any sample passed (rows with an infrastructure error excluded)."""
+    import torch
+
+    from flywheel.advantages import zero_variance_share
+    from flywheel.train.data import load_rollout_tables
+
+    zv, passed, n = 0.0, 0, 0
+    for _, t, _ in load_rollout_tables(store, artifacts, rollout_ids):
+        d = t.to_pydict()
+        ok = [e is None for e in d.get("infra_error", [None] * t.num_rows)]
+        r = torch.tensor([x for x, k in zip(d["reward"], ok, strict=True) if k])
+        g = [x for x, k in zip(d["group_id"], ok, strict=True) if k]
+        zv += zero_variance_share(r, g) * len(set(g))
+        n += len(set(g))
+        passed += sum(p for p, k in zip(d["passed"], ok, strict=True) if k)
+    return choose_mode(zv / max(n, 1), float(passed > 0), threshold=cfg.train.sft_trigger_zero_variance)

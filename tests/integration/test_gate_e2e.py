@@ -317,7 +317,37 @@ def test_cli_exit_codes(world, monkeypatch):
     assert [(r["action"], r["to_version"], r["forced"]) for r in rows] == [
         ("promote", 1, False), ("promote", 3, True), ("rollback", 1, False)]
     res = runner.invoke(app, ["gate", "99"])
-    assert res.exit_code == 1 and "not a registered model version" in res.output
+    assert res.exit_code == 1 and "model:policy/99 is not a registered version" in res.output
+
+
+def test_gate_and_promote_take_the_model_references_of_rollout(world, monkeypatch):
+    """`flywheel gate` / `promote` take what `rollout --policy` takes (challenger, champion,
+    model:<name>/<N>, <name>/<N>) besides a bare version number; all name the same decision."""
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    w = world
+    monkeypatch.setattr("flywheel.evaluate.default_policy_loader", lambda cfg, tracker: w["loader"])
+    w["tracker"].set_alias("policy", "challenger", 2)
+    w["store"].close()
+    runner = CliRunner()
+    by_number = json.loads(runner.invoke(app, ["gate", "2", "--json"]).stdout)
+    for ref in ("challenger", "model:policy/2", "policy/2"):
+        res = runner.invoke(app, ["gate", ref, "--json"])
+        assert res.exit_code == 3, (ref, res.output)
+        assert json.loads(res.stdout)["gate_id"] == by_number["gate_id"], ref
+    res = runner.invoke(app, ["gate", "--json"])  # default: the challenger
+    assert res.exit_code == 3 and json.loads(res.stdout)["gate_id"] == by_number["gate_id"]
+    res = runner.invoke(app, ["promote", "challenger"])
+    assert res.exit_code == 3 and "promotion refused" in res.output
+    assert runner.invoke(app, ["gate", "policy/1"]).exit_code == 0
+    assert runner.invoke(app, ["promote", "model:policy/1"]).exit_code == 0
+    assert json.loads(runner.invoke(app, ["deployments", "--json"]).stdout)[-1]["to_version"] == 1
+    for bad, why in (("model:other/2", "not a registered version"), ("smollm2-135m", "not a registered model version"),
+                     ("http://127.0.0.1:1/v1", "not a registered model version")):
+        res = runner.invoke(app, ["gate", bad])
+        assert res.exit_code == 1 and why in res.output, (bad, res.output)
 
 
 def test_too_few_paired_items_is_insufficient_evidence_and_the_champion_stays(world):

@@ -26,7 +26,7 @@ def run_json(*args):
 @pytest.fixture
 def seeded(home, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    info = run_json("init")
+    info = run_json("init", "--no-champion")
     with EventStore(info["warehouse"]) as s:
         s.append("trace:t1", NewEvent("trace.ingested", {"i": 1}, ["ingest:b"]))
         s.append("failure:f1", NewEvent("failure.classified", {"kind": "tool_call"}, ["trace:t1"]), correlation_id="c1")
@@ -36,10 +36,10 @@ def seeded(home, tmp_path, monkeypatch):
 
 def test_init_creates_private_home(home, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    info = run_json("init")
+    info = run_json("init", "--no-champion")
     assert info["home"] == str(home) and info["events"] == 0
     assert (home.stat().st_mode & 0o777) == 0o700
-    assert run_json("init")["events"] == 0  # idempotent
+    assert run_json("init", "--no-champion")["events"] == 0  # idempotent
 
 
 def test_status_counts_and_recent_events(seeded):
@@ -81,3 +81,40 @@ def test_bad_config_is_one_line_error(home, tmp_path, monkeypatch):
     (tmp_path / "flywheel.toml").write_text("[gate]\nnope = 1\n")
     r = runner.invoke(app, ["status", "--json"])
     assert r.exit_code == 1 and "gate.nope: unknown key" in r.output and r.exception.__class__ is SystemExit
+
+
+@pytest.mark.slow
+def test_init_registers_the_base_model_as_champion_once(home, tmp_path, monkeypatch):
+    """On a fresh home `champion` names a registered version (trace champion, serve --champion work
+    before the first promotion); a second init keeps it and registers nothing. Run as the real CLI
+    process: building the model imports libraries that print to stdout, which only the real
+    process's --json guard (cli.common.reserve_stdout_for_json, fd level) keeps off the JSON."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "FLYWHEEL_POLICY__BASE_MODEL": "tiny", "FLYWHEEL_POLICY__DEVICE": "cpu"}
+
+    def cli(*args):
+        p = subprocess.run([sys.executable, "-m", "flywheel", *args, "--json"], env=env, capture_output=True,
+                           text=True, timeout=1800)
+        assert p.returncode == 0, p.stderr[-4000:]
+        return json.loads(p.stdout)
+
+    first = cli("init")
+    assert first["champion"] == {"model": "model:policy/1", "created": True, "reason": None}
+    again = cli("init")
+    assert again["champion"] == {"model": "model:policy/1", "created": False, "reason": None}
+    assert again["events"] == first["events"]
+    assert cli("trace", "champion")["root"] == "model:policy/1"
+    with EventStore(first["warehouse"]) as s:
+        assert [e.type for e in s.read(stream="model:policy")][:1] == ["model.registered"]
+
+
+def test_init_without_a_local_base_model_says_why_and_succeeds(home, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLYWHEEL_POLICY__BASE_MODEL", str(tmp_path / "missing-model"))
+    info = run_json("init")
+    assert info["champion"]["model"] is None and "missing-model" in info["champion"]["reason"]
+    assert info["events"] == 0

@@ -237,7 +237,7 @@ def test_init_and_status_report_the_sandbox(home, tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     runner = CliRunner()
-    info = json.loads(runner.invoke(app, ["init", "--json"]).stdout)
+    info = json.loads(runner.invoke(app, ["init", "--no-champion", "--json"]).stdout)
     assert set(info["sandbox"]) >= {"mode", "namespaces", "cgroup", "verdicts", "warning"}
     monkeypatch.setattr(sb, "isolation_mode", lambda: "weak: not running as root")
     r = runner.invoke(app, ["status"])
