@@ -81,13 +81,9 @@ def _quarantined_ids(store: EventStore, experiment_id: str) -> set[str]:
 def _recorded(store: EventStore, trace_ids: list[str]) -> set[str]:
     if not trace_ids:
         return set()
-    con = store.con
-    con.register("_fw_mlflow_ids", pa.table({"k": [f"trace:{t}" for t in trace_ids]}))
-    try:
-        rows = con.execute("SELECT DISTINCT stream FROM events WHERE stream IN (SELECT k FROM _fw_mlflow_ids)").fetchall()
-    finally:
-        con.unregister("_fw_mlflow_ids")
-    return {r[0].split(":", 1)[1] for r in rows}
+    # Through the store's method: on PostgreSQL, or in a process that reaches the warehouse through its
+    # owner, there is no DuckDB connection to register a table on.
+    return {s.split(":", 1)[1] for s in store.existing_streams([f"trace:{t}" for t in trace_ids])}
 
 
 def _chunks(traces: Iterator[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
