@@ -23,7 +23,7 @@ paired items in each direction.
     # `benchmarks/demo_seeds.py --workdir W` keeps (W/seed-0); same --seed as that run
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --cycle-home W/seed-0 --seed 0
 
-Measured figures: docs/benchmarks.md ("Flywheel vs plain SFT").
+Measured figures: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ outcome with its p-value, and the wall time. A refused run is reported like any 
     .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 2 3 4       # ~10 min per seed on 2 idle cores
     .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 --json
 
-Measured figures: the README's "Demo" section.
+Measured figures: the README's quick start and benchmarks/README.md.
 """
 
 from __future__ import annotations
