@@ -176,4 +176,5 @@ def test_where_to_look_screenshots_of_the_agent_trace(traced, mlflow_server, tmp
     exp = httpx.get(f"{mlflow_server.url}/api/2.0/mlflow/experiments/get-by-name",
                     params={"experiment_name": EXPERIMENT}, timeout=30).json()["experiment"]["experiment_id"]
     url = f"{mlflow_server.url}/#/experiments/{exp}/traces?selectedEvaluationId={ids['agent']}"
-    it.screenshot(tmp_path, "mlflow-traces", url, "get_weather", width=1600, budget_ms=30_000)
+    png = it.screenshot(tmp_path, "mlflow-traces", url, "get_weather", width=1600, budget_ms=30_000)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the page (with the tool span) was rendered to an image
