@@ -128,12 +128,18 @@ def any_value(v: Any) -> Any:
         return x
     if k == "kvlistValue" and type(x) is dict:
         try:
-            return {e["key"]: any_value(e["value"]) for e in x.get("values") or ()}
+            return {e["key"]: any_value(e["value"]) for e in _values(x)}
         except (KeyError, TypeError):
             return _any_value_slow(v)
     if k == "arrayValue" and type(x) is dict:
-        return [any_value(e) for e in x.get("values") or ()]
+        return [any_value(e) for e in _values(x)]
     return _any_value_slow(v)
+
+
+def _values(container: dict[str, Any]) -> list[Any] | tuple[()]:
+    """The ``values`` list of a kvlist or array value; anything else there (``true``, an object) is no values."""
+    vs = container.get("values")
+    return vs if type(vs) is list else ()
 
 
 def _any_value_slow(v: Any) -> Any:
@@ -152,11 +158,11 @@ def _any_value_slow(v: Any) -> Any:
         return v["boolValue"]
     kv = v.get("kvlistValue")
     if kv is not None:
-        return {x.get("key"): any_value(x.get("value")) for x in (kv.get("values") or ()) if type(x) is dict} \
+        return {x.get("key"): any_value(x.get("value")) for x in _values(kv) if type(x) is dict} \
             if type(kv) is dict else {}
     arr = v.get("arrayValue")
     if arr is not None:
-        return [any_value(x) for x in (arr.get("values") or ())] if type(arr) is dict else []
+        return [any_value(x) for x in _values(arr)] if type(arr) is dict else []
     if "bytesValue" in v:
         return v["bytesValue"]
     return None

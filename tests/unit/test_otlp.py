@@ -154,3 +154,15 @@ def test_any_shape_of_span_or_record_is_quarantined_never_raised():
             assert (rec is None) != (prob is None)
 
     check()
+
+
+def test_array_and_kvlist_values_that_are_not_lists_read_as_empty():
+    """Found by the property test above: ``{"arrayValue": {"values": true}}`` raised TypeError."""
+    from flywheel.ingest.otlp import any_value
+
+    for bad in (True, 3, "x", {"a": 1}, None):
+        assert any_value({"arrayValue": {"values": bad}}) == []
+        assert any_value({"kvlistValue": {"values": bad}}) == {}
+        assert any_value({"arrayValue": {"values": bad}, "status": None}) == []
+        assert any_value({"kvlistValue": {"values": bad}, "status": None}) == {}
+    assert any_value({"arrayValue": {"values": [{"intValue": "7"}, {"stringValue": "s"}]}}) == [7, "s"]
