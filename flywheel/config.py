@@ -198,7 +198,11 @@ class PolicyConfig(_Section):
     base_url: str | None = Field(None, description="OpenAI-compatible endpoint for backend='openai'.")
     api_key_env: str = Field("FLYWHEEL_POLICY_API_KEY", description="Env var holding the policy server's API key.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU.")
+    dtype: Literal["auto", "fast", "float32", "bfloat16"] = Field(
+        "auto",
+        description="auto: bf16 on CUDA, fp32 on CPU. fast: bf16 wherever the device computes it natively "
+        "(CUDA; CPUs with AVX512-BF16 or AMX, where prefill and training run ~2.4x faster than fp32), else fp32.",
+    )
     max_concurrency: int = Field(8, ge=1, description="Concurrent HTTP requests (openai backend).")
     request_timeout_s: float = Field(120.0, gt=0, description="Seconds one policy server request may take.")
 

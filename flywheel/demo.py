@@ -54,7 +54,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         ],
         "traffic_max_tokens": 48,
         "config": {
-            "policy": {"base_model": "smollm2-135m", "device": "cpu", "dtype": "float32"},
+            # "fast": bf16 on CPUs that compute it natively (AVX512-BF16/AMX: ~2.4x faster SFT), else fp32.
+            "policy": {"base_model": "smollm2-135m", "device": "cpu", "dtype": "fast"},
             "evals": {"heldout_fraction": 0.3},
             "synth": {"per_seed": 1, "generators": ["mutate"]},
             "rollout": {"group_size": 4, "max_new_tokens": 48, "max_tasks": 8, "temperature": 1.0},

@@ -214,17 +214,38 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX, as oneDNN reports it).
+    Without it torch emulates bf16 and runs slower than fp32."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
+
+
 def resolve_dtype(dtype: str, device: str) -> Any:
-    """``auto`` -> bfloat16 on CUDA (half the memory, tensor cores), float32 on CPU (CPU bf16
-    matmuls are slower than fp32 on most x86 parts and logprob tests need fp32)."""
+    """The torch dtype to load weights in.
+
+    ``auto`` -> bfloat16 on CUDA (half the memory, tensor cores), float32 on CPU (bf16 is emulated, and
+    slower than fp32, on x86 parts without AVX512-BF16/AMX; the logprob tests need fp32).
+    ``fast`` -> bfloat16 wherever the device computes it natively: CUDA, and CPUs with AVX512-BF16 or AMX
+    (measured on a 2-core AMD EPYC with AVX512-BF16, SmolLM2-135M: a forward+backward of 4x512 tokens
+    11.6 s fp32 -> 4.3 s bf16, a 8x500-token prefill 6.4 s -> 2.7 s, decoding unchanged); float32 elsewhere.
+    The LoRA adapters peft adds stay float32 either way (peft up-casts adapter weights).
+    """
     import torch
 
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype == "fast":
+        native = device.startswith("cuda") or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in table:
-        raise ModelLoadError(f"dtype {dtype!r} is not one of auto, {', '.join(table)}")
+        raise ModelLoadError(f"dtype {dtype!r} is not one of auto, fast, {', '.join(table)}")
     return table[dtype]
 
 

@@ -264,6 +264,47 @@ def test_tiny_model_is_deterministic_and_cached(tiny_home):
     assert not math.isnan(float(next(model.parameters()).detach().sum()))
 
 
+def test_fast_dtype_is_bf16_only_where_the_device_computes_it_natively(monkeypatch):
+    from flywheel.policy import models
+
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    assert models.resolve_dtype("fast", "cpu") is torch.bfloat16
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    assert models.resolve_dtype("fast", "cpu") is torch.float32  # emulated bf16 is slower than fp32
+    assert models.resolve_dtype("fast", "cuda") is torch.bfloat16
+    assert models.resolve_dtype("auto", "cpu") is torch.float32  # the default does not change on CPU
+    with pytest.raises(models.ModelLoadError, match="not one of auto, fast"):
+        models.resolve_dtype("int8", "cpu")
+
+
+def test_a_bf16_cpu_policy_with_fp32_lora_generates_and_trains(tiny_home, tmp_path):
+    """The cpu demo profile's dtype ("fast" -> bf16 on this CPU): bf16 base weights, float32 LoRA
+    adapters (peft up-casts them), a finite SFT step and a generation with finite logprobs."""
+    from flywheel.policy.models import TINY, load_model
+    from flywheel.train.data import TrainSample
+    from flywheel.config import TrainConfig
+    from flywheel.train.trainer import Trainer, TrainerOptions
+
+    model, tok = load_model(TINY, home=tiny_home, dtype="bfloat16")
+    assert next(model.parameters()).dtype is torch.bfloat16
+    options = TrainerOptions(objective="sft", lr=1e-2, total_steps=1, pad_id=0,
+                             train=TrainConfig(lora_r=4, lora_alpha=8, warmup_steps=0))
+    trainer = Trainer(model, options)
+    lora = [p for _, p in trainer.policy.named_parameters() if p.requires_grad]
+    assert lora and all(p.dtype is torch.float32 for p in lora)
+    before = [p.detach().clone() for p in lora]
+    sample = TrainSample(prompt_ids=[5, 6, 7, 8], completion_ids=[9, 10, 11], loss_mask=[1, 1, 1], group_id="g")
+    metrics = trainer.step([sample, sample])
+    assert math.isfinite(metrics.loss) and metrics.loss > 0
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, lora, strict=True))
+
+    policy = tiny_policy(tiny_home, dtype="bfloat16")
+    out = policy.generate([[{"role": "user", "content": "hello"}]], SamplingParams(n=2, max_new_tokens=6, seed=1))
+    assert len(out[0]) == 2
+    for s in out[0]:
+        assert s.completion_token_ids and all(math.isfinite(x) and x <= 0 for x in s.logprobs)
+
+
 def test_model_dirs_appear_atomically(tmp_path, tiny_home, monkeypatch):
     from flywheel.policy import models
 
