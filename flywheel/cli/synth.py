@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 import typer
 
 from flywheel.cli.common import (
@@ -17,6 +20,12 @@ from flywheel.cli.common import (
     print_table,
     progress,
 )
+from flywheel.policy.base import Policy
+from flywheel.policy.hf import HFPolicy
+from flywheel.policy.openai_http import OpenAIPolicy
+
+if TYPE_CHECKING:  # pydantic config: loaded by load() when a command runs, not by `flywheel --help`
+    from flywheel.config import FlywheelConfig
 
 
 def register(app: typer.Typer) -> None:
@@ -43,10 +52,12 @@ def synth(
     """Generate variants of every training eval, keep those that are valid, solvable by their
     reference, unique and free of held-out content, and add them to the training environment as a
     new version. Re-running the same batch appends nothing."""
-    from flywheel.artifacts import open_artifacts
-    from flywheel.dedup import SemanticUnavailable
-    from flywheel.store import open_store
-    from flywheel.synth import GENERATORS, run_synth
+    # The stage and the stores (pyarrow, duckdb, numpy) load when the command runs: at module top they
+    # would add ~0.6 s to every `flywheel --help`, which imports every command module (cli/__init__).
+    from flywheel.artifacts import open_artifacts  # pyarrow: when the command runs (above)
+    from flywheel.dedup import SemanticUnavailable  # numpy: when the command runs (above)
+    from flywheel.store import open_store  # duckdb: when the command runs (above)
+    from flywheel.synth import GENERATORS, run_synth  # the stage: when the command runs (above)
 
     names = None
     if generators:
@@ -108,20 +119,14 @@ def synth(
         console.print("[yellow]no held-out suite yet: nothing to decontaminate against[/]")
 
 
-def _load_policy(cfg):
+def _load_policy(cfg: FlywheelConfig) -> Policy:
     """The current policy for paraphrase / difficulty: the configured backend and base model."""
-    import os
-
     try:
         if cfg.policy.backend == "openai":
-            from flywheel.policy.openai_http import OpenAIPolicy
-
             if not cfg.policy.base_url:
                 raise CliError("[policy] backend = 'openai' needs [policy] base_url")
             return OpenAIPolicy(cfg.policy.base_url, cfg.policy.base_model, os.environ.get(cfg.policy.api_key_env),
                                 cfg.policy.max_concurrency, cfg.policy.request_timeout_s)
-        from flywheel.policy.hf import HFPolicy
-
         return HFPolicy.from_spec(cfg.policy.base_model, cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype)
     except (ImportError, OSError, ValueError, RuntimeError) as e:
         raise CliError(f"could not load the policy for paraphrase/difficulty ({cfg.policy.base_model}): {e}") from None

@@ -71,7 +71,7 @@ def test_staging_sees_the_packages_mapped_from_other_folders(tmp_path):
         # core pulling a heavy optional package
         ("config.py", "import torch", "flywheel.config is not allowed to import torch"),
         # production code importing a test helper
-        ("synth.py", "from flywheel.envs.testing import failure_payload",
+        ("synth/__init__.py", "from flywheel.envs.testing import failure_payload",
          "- flywheel.synth -> flywheel.envs.testing"),
     ],
 )
