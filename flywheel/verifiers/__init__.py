@@ -1,7 +1,22 @@
-"""Verifiers: ``verify(spec, trajectory) -> Verdict`` (the contract and every kind: :mod:`flywheel.verifiers.registry`)."""
+"""Verifiers: ``verify(spec, trajectory) -> Verdict``, the reward of every eval, environment and rollout.
+
+The contract (kinds, parameters, infrastructure errors, verdicts unfit for training) is documented in
+:mod:`flywheel.verifiers.registry`, which holds :func:`verify`, :func:`validate_spec` and
+:func:`register_verifier`. The kinds live one family per module and register themselves on import:
+
+- :mod:`~flywheel.verifiers.answers`: ``tool_call``, ``json_schema``, ``exact``, ``numeric``, ``regex``
+  (tool-call matching rules: :mod:`~flywheel.verifiers.matching`);
+- :mod:`~flywheel.verifiers.execution`: ``python_tests``, ``shell`` (sandboxed);
+- :mod:`~flywheel.verifiers.judge`: ``llm_judge``;
+- :mod:`~flywheel.verifiers.composite`: ``composite``.
+
+Importing this package registers every kind.
+"""
 
 from __future__ import annotations
 
+# Imported for their side effect: each module registers its kinds with the registry.
+from flywheel.verifiers import answers, composite, execution, judge  # noqa: F401
 from flywheel.verifiers.registry import (
     KINDS,
     InfraError,
