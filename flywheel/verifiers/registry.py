@@ -36,10 +36,13 @@ Kinds and parameters (defaults in brackets)
 - ``llm_judge``: ``rubric``, ``reference`` [None], ``pass_threshold`` [0.5]. POSTs to
   ``{judge.base_url}/chat/completions`` (``/v1`` is appended when the URL lacks it); the judge answers
   with a score in [0, 1] (``SCORE: 0.8`` or JSON ``{"score": 0.8}``; 0-10 scales are divided by 10).
-  ``deterministic=False``. A reply without a parseable score (a judge talked out of scoring by the
-  answer it grades) and a request the endpoint refuses for its content (HTTP 400, 413, 422) are
-  *failures* (reward 0, ``details["judge_error"]``): the answer may have caused them, so they must
-  cost the side that produced it rather than drop the item from a comparison.
+  ``deterministic=False``. HTTP 429, 5xx and connection errors are retried (4 times, jittered backoff,
+  ``Retry-After`` honoured: :func:`flywheel.net.request_with_retries`, the policy client's policy)
+  before they become infrastructure errors naming the URL and the last status. A reply without a
+  parseable score (a judge talked out of scoring by the answer it grades) and a request the endpoint
+  refuses for its content (HTTP 400, 413, 422; never retried) are *failures* (reward 0,
+  ``details["judge_error"]``): the answer may have caused them, so they must cost the side that
+  produced it rather than drop the item from a comparison.
 - ``composite``: ``parts`` (``[{weight, spec}]``), ``pass_rule`` ["all" | "weighted"], ``threshold``
   [1.0 for weighted]. Reward = weighted mean of part rewards; components are prefixed ``<i>.<kind>.``.
 - ``reward_mode`` ["binary" | "partial"] on any kind: the reward is ``float(passed)`` by default, or
