@@ -3,11 +3,12 @@
 One request per prompt (with ``n`` samples), at most ``max_concurrency`` in flight (a thread pool
 over one ``httpx.Client``: connection pooling, no event loop to own).
 
-Retries: only on HTTP 429, HTTP 5xx and transport errors (connection refused/reset, timeouts),
-up to ``max_retries`` times, with exponential backoff and full jitter (0.5 s * 2^attempt, capped at
-30 s; a ``Retry-After`` header is honoured up to the cap). Everything else (400, 401, 404, 413, ...)
-raises :class:`PolicyRequestError` at once with the status and the server's body: retrying a bad
-request only hides it.
+Retries (:func:`flywheel.net.request_with_retries`, shared with the ``llm_judge`` verifier): only on
+HTTP 429, HTTP 5xx and transport errors (connection refused/reset, timeouts), up to ``max_retries``
+times, with exponential backoff and full jitter (0.5 s * 2^attempt, capped at 30 s; a ``Retry-After``
+header is honoured up to the cap). Everything else (400, 401, 404, 413, ...) raises
+:class:`PolicyRequestError` at once with the status and the server's body: retrying a bad request
+only hides it.
 
 Prompt formatting (``prompt_format``):
 - ``"flywheel"`` (default): the client applies :func:`flywheel.policy.format.build_prompt_messages`
@@ -32,12 +33,17 @@ default, not the temperature-scaled one; ``flywheel serve``: the HF backend's de
 
 from __future__ import annotations
 
-import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from flywheel.net import (
+    BACKOFF_BASE_S,
+    CHAT_COMPLETIONS_PATH,
+    HTTPRequestError,
+    openai_base_url,
+    request_with_retries,
+)
 from flywheel.policy.base import (
     PolicyRequestError,
     Sample,
@@ -47,12 +53,11 @@ from flywheel.policy.base import (
 )
 from flywheel.policy.format import build_prompt_messages, tool_turns_as_user
 
-_BACKOFF_BASE_S = 0.5
-_BACKOFF_CAP_S = 30.0
+if TYPE_CHECKING:
+    import httpx
 
-
-def _retryable_status(status: int) -> bool:
-    return status == 429 or 500 <= status <= 599
+# This client's backoff base, read at each request (a test shortens it for this client alone).
+_BACKOFF_BASE_S = BACKOFF_BASE_S
 
 
 class OpenAIPolicy:
@@ -69,9 +74,9 @@ class OpenAIPolicy:
         *,
         prompt_format: Literal["flywheel", "server"] = "flywheel",
         version: str | None = None,
-        client: Any = None,
+        client: httpx.Client | None = None,
     ) -> None:
-        import httpx
+        import httpx  # ~100 ms at import: paid by whoever makes a client, not by every importer
 
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1 (got {max_concurrency})")
@@ -79,10 +84,7 @@ class OpenAIPolicy:
             raise ValueError(f"max_retries must be >= 0 (got {max_retries})")
         if prompt_format not in ("flywheel", "server"):
             raise ValueError(f"prompt_format must be 'flywheel' or 'server' (got {prompt_format!r})")
-        url = base_url.rstrip("/")
-        if url.endswith("/v1"):
-            url = url[: -len("/v1")]
-        self.base_url = url
+        self.base_url = openai_base_url(base_url)
         self.model = model
         self.name = model
         self.version = version or model
@@ -98,8 +100,6 @@ class OpenAIPolicy:
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
         )
-        self._rng = random.Random()
-        self._rng_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -121,49 +121,18 @@ class OpenAIPolicy:
         return other
 
     # ------------------------------------------------------------------ HTTP
-    def _sleep_before_retry(self, attempt: int, retry_after: str | None) -> None:
-        delay = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * (2**attempt))
-        with self._rng_lock:
-            delay = self._rng.uniform(0, delay)  # full jitter: retries of many clients spread out
-        if retry_after:
-            try:
-                delay = max(delay, min(_BACKOFF_CAP_S, float(retry_after)))
-            except ValueError:
-                pass
-        time.sleep(delay)
-
     def request(self, method: str, path: str, json_body: dict | None = None) -> Any:
-        """Send one request with the retry policy; returns the decoded JSON (or text) body."""
-        import httpx
-
-        last: PolicyRequestError | None = None
-        for attempt in range(self.max_retries + 1):
-            try:
-                resp = self._client.request(method, path, json=json_body)
-            except httpx.TransportError as e:
-                last = PolicyRequestError(f"{method} {self.base_url}{path}: {type(e).__name__}: {e}", status=None)
-                if attempt < self.max_retries:
-                    self._sleep_before_retry(attempt, None)
-                continue
-            if resp.status_code < 400:
-                try:
-                    return resp.json()
-                except ValueError:
-                    return resp.text
-            err = PolicyRequestError(
-                f"{method} {self.base_url}{path}: HTTP {resp.status_code}: {_error_message(resp.text)}",
-                status=resp.status_code,
-                body=resp.text,
-            )
-            if not _retryable_status(resp.status_code):
-                raise err
-            last = err
-            if attempt < self.max_retries:
-                self._sleep_before_retry(attempt, resp.headers.get("retry-after"))
-        assert last is not None
-        raise PolicyRequestError(
-            f"{last} (gave up after {self.max_retries + 1} attempts)", status=last.status, body=last.body
-        )
+        """Send one request with the retry policy; returns the decoded JSON (or text) body. Raises
+        :class:`PolicyRequestError` (status None: no response) when the request failed for good."""
+        try:
+            resp = request_with_retries(self._client, method, path, json_body=json_body,
+                                        max_retries=self.max_retries, backoff_base_s=_BACKOFF_BASE_S)
+        except HTTPRequestError as e:
+            raise PolicyRequestError(str(e), status=e.status, body=e.body) from None
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text
 
     # ------------------------------------------------------------------ policy
     def _messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
@@ -204,7 +173,7 @@ class OpenAIPolicy:
 
         def one(body: dict) -> list[Sample]:
             t0 = time.perf_counter()
-            data = self.request("POST", "/v1/chat/completions", body)
+            data = self.request("POST", CHAT_COMPLETIONS_PATH, body)
             return parse_chat_response(data, expected_n=p.n, gen_ms=(time.perf_counter() - t0) * 1000.0)
 
         if len(bodies) == 1:
@@ -223,18 +192,6 @@ class OpenAIPolicy:
     def models(self) -> list[str]:
         data = self.request("GET", "/v1/models")
         return [m["id"] for m in data.get("data", [])]
-
-
-def _error_message(text: str) -> str:
-    import json
-
-    try:
-        err = json.loads(text).get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-    except (ValueError, AttributeError):
-        pass
-    return text[:500]
 
 
 def _token_ids_from_logprobs(entries: list[dict]) -> list[int] | None:
@@ -266,8 +223,6 @@ def parse_chat_response(data: Any, *, expected_n: int, gen_ms: float = 0.0) -> l
         text = msg.get("content")
         if text is None and msg.get("tool_calls"):
             # servers with a tool parser drop the raw text; rebuild it in the shared format
-            from flywheel.policy.format import build_prompt_messages
-
             text = build_prompt_messages([{"role": "assistant", **msg}], None)[0]["content"]
         entries = ((c.get("logprobs") or {}).get("content")) or []
         logprobs = [float(e.get("logprob", 0.0)) for e in entries]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import itertools
 import json
 from dataclasses import dataclass
@@ -77,8 +78,6 @@ class BfclItem:
 def bfcl_data_dir() -> Path:
     """The installed ``bfcl_eval/data`` directory (found without importing bfcl_eval, whose
     ``__init__`` pulls in heavy dependencies that are deliberately not installed)."""
-    import importlib.util
-
     spec = importlib.util.find_spec("bfcl_eval")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("bfcl-eval is not installed (pip install --no-deps bfcl-eval)")

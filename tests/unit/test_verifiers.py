@@ -175,12 +175,14 @@ class _Judge(http.server.BaseHTTPRequestHandler):
     status = 200
     reply = "SCORE: 0.9"
     seen: list = []
+    script: list = []  # statuses answered first, one per request, before ``status``
 
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append(body)
+        status = type(self).script.pop(0) if type(self).script else type(self).status
         payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": type(self).reply}}]}).encode()
-        self.send_response(type(self).status)
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
@@ -191,8 +193,10 @@ class _Judge(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def judge_server():
-    handler = type("J", (_Judge,), {"status": 200, "reply": "SCORE: 0.9", "seen": []})
+def judge_server(monkeypatch):
+    # retries back off 0.5 s * 2^attempt by default; these tests are about which requests are retried
+    monkeypatch.setattr("flywheel.net.BACKOFF_BASE_S", 0.001, raising=False)
+    handler = type("J", (_Judge,), {"status": 200, "reply": "SCORE: 0.9", "seen": [], "script": []})
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
@@ -229,7 +233,34 @@ def test_judge_503_is_infra_error(judge_server):
     assert v.infra_error and "503" in v.infra_error and v.reward == 0.0 and not v.ok_for_training
 
 
-def test_judge_connection_refused_and_unconfigured_are_infra_errors():
+def test_judge_retries_a_503_then_scores(judge_server):
+    # The judge used to send one request: a judge endpoint that was busy for a moment (503) made the
+    # item an infrastructure error. It retries like the policy client (flywheel.net.request_with_retries).
+    handler, url = judge_server
+    handler.script = [503, 429]
+    v = verify({"kind": "llm_judge", "rubric": "r"}, A("x"), context=_judge_ctx(url))
+    assert v.infra_error is None and v.passed and v.reward == pytest.approx(0.9)
+    assert len(handler.seen) == 3
+
+
+def test_judge_gives_up_after_bounded_retries_naming_url_and_status(judge_server):
+    handler, url = judge_server
+    handler.status = 503
+    v = verify({"kind": "llm_judge", "rubric": "r"}, A("x"), context=_judge_ctx(url))
+    assert v.infra_error and not v.ok_for_training and v.reward == 0.0
+    attempts = len(handler.seen)
+    assert attempts > 1, "a 503 is retried"
+    assert f"{url}/v1/chat/completions" in v.infra_error and "HTTP 503" in v.infra_error
+    assert f"gave up after {attempts} attempts" in v.infra_error
+    # a request refused for its content is the candidate's failure at once, never retried
+    handler.seen.clear()
+    handler.status = 413
+    refused = verify({"kind": "llm_judge", "rubric": "r"}, A("x"), context=_judge_ctx(url))
+    assert refused.infra_error is None and "HTTP 413" in refused.details["judge_error"] and len(handler.seen) == 1
+
+
+def test_judge_connection_refused_and_unconfigured_are_infra_errors(monkeypatch):
+    monkeypatch.setattr("flywheel.net.BACKOFF_BASE_S", 0.001, raising=False)
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
