@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.cycle import CycleResources
+from flywheel.report import build_report
 
 # ``timings`` keys (stage task names) -> ``stages`` keys of the cycle result
 _STAGE_KEYS = {"train-sft": "sft", "train-grpo": "grpo", "rollouts-after-sft": "rollouts_after_sft"}
@@ -200,7 +201,6 @@ def publish_cycle(res: CycleResources, result: dict[str, Any]) -> dict[str, Any]
     """Write the HTML report and attach the cycle's summary and stage table to the flow run.
 
     Returns ``{"summary": key, "stages": key, "report": path or None}`` (what was published)."""
-    from flywheel.report import build_report
 
     cfg, tracker = res.cfg, res.tracker
     keys = artifact_keys(_deployment_name())

@@ -37,6 +37,7 @@ from flywheel.flows.cycle_env import prefect_environment  # noqa: F401 - re-expo
 from prefect import flow, task
 
 from flywheel.champion import reconcile_champion
+from flywheel.config import FlywheelConfig, load_config
 from flywheel.cycle import (
     CycleResources,
     failure_watermark,
@@ -46,9 +47,17 @@ from flywheel.cycle import (
     new_failures_since_last_cycle,
     summarize,
 )
+from flywheel.deploy import promote
+from flywheel.envs import build_envs
+from flywheel.evals import build_evals
+from flywheel.gate import run_gate
+from flywheel.ingest import ingest_paths
+from flywheel.rollouts import run_rollouts
 from flywheel.sandbox import isolation_report
 from flywheel.store import NewEvent
+from flywheel.synth import run_synth
 from flywheel.train.demos import train_split_demonstrations
+from flywheel.train.stage import choose_mode, train_grpo, train_sft
 
 # The resources of the running cycle (one writer connection per process): set by the flow, read by
 # its tasks. Tasks get only plain values as parameters so Prefect can record and hash them.
@@ -94,8 +103,6 @@ def _res() -> CycleResources:
 
 @task(name="ingest", **STAGE)
 def ingest_stage(key: str, paths: list[str], correlation_id: str) -> dict:
-    from flywheel.ingest import ingest_paths
-
     r = _res()
     _report("ingest", status="running", files=len(paths))
     s = ingest_paths(r.cfg, r.store, r.artifacts, [Path(p) for p in paths], correlation_id=correlation_id)
@@ -104,24 +111,18 @@ def ingest_stage(key: str, paths: list[str], correlation_id: str) -> dict:
 
 @task(name="evals", **STAGE)
 def evals_stage(key: str, correlation_id: str) -> dict:
-    from flywheel.evals import build_evals
-
     r = _res()
     return publish_stage("evals", summarize(build_evals(r.cfg, r.store, r.artifacts, correlation_id=correlation_id)))
 
 
 @task(name="envs", **STAGE)
 def envs_stage(key: str, correlation_id: str) -> dict:
-    from flywheel.envs import build_envs
-
     r = _res()
     return publish_stage("envs", summarize(build_envs(r.cfg, r.store, r.artifacts, correlation_id=correlation_id)))
 
 
 @task(name="synth", **STAGE)
 def synth_stage(key: str, correlation_id: str) -> dict:
-    from flywheel.synth import run_synth
-
     r = _res()
     return publish_stage("synth", summarize(run_synth(r.cfg, r.store, r.artifacts, env=r.cfg.cycle.train_env,
                                                       correlation_id=correlation_id)))
@@ -129,8 +130,6 @@ def synth_stage(key: str, correlation_id: str) -> dict:
 
 @task(name="rollouts", **STAGE)
 def rollout_stage(key: str, policy: str, correlation_id: str) -> dict:
-    from flywheel.rollouts import run_rollouts
-
     r = _res()
     t0 = time.perf_counter()
 
@@ -146,8 +145,6 @@ def rollout_stage(key: str, policy: str, correlation_id: str) -> dict:
 
 @task(name="train-sft", **STAGE)
 def sft_stage(key: str, base: str, correlation_id: str) -> dict:
-    from flywheel.train.stage import train_sft
-
     r = _res()
     demos = train_split_demonstrations(r.cfg, r.store, r.artifacts)
     if not demos:
@@ -165,8 +162,6 @@ def sft_stage(key: str, base: str, correlation_id: str) -> dict:
 
 @task(name="train-grpo", **STAGE)
 def grpo_stage(key: str, rollout_ids: list[str], base: str, correlation_id: str) -> dict:
-    from flywheel.train.stage import train_grpo
-
     r = _res()
 
     def on_step(step: int, m: dict) -> None:
@@ -182,8 +177,6 @@ def grpo_stage(key: str, rollout_ids: list[str], base: str, correlation_id: str)
 
 @task(name="gate", **STAGE)
 def gate_stage(key: str, model_version: int, correlation_id: str) -> dict:
-    from flywheel.gate import run_gate
-
     r = _res()
     _report("gate", status="running", model_version=model_version)
     d = run_gate(r.cfg, r.store, r.artifacts, r.tracker, model_version, correlation_id=correlation_id)
@@ -192,8 +185,6 @@ def gate_stage(key: str, model_version: int, correlation_id: str) -> dict:
 
 @task(name="deploy", **STAGE)
 def deploy_stage(key: str, model_version: int, gate_id: str, correlation_id: str) -> dict:
-    from flywheel.deploy import promote
-
     r = _res()
     dep = promote(r.cfg, r.store, r.tracker, model_version, correlation_id=correlation_id)
     return publish_stage("deploy", summarize(dep))
@@ -202,7 +193,7 @@ def deploy_stage(key: str, model_version: int, gate_id: str, correlation_id: str
 # ---------------------------------------------------------------------------------------------- flow
 
 
-def _inbox_paths(cfg: Any) -> list[str]:
+def _inbox_paths(cfg: FlywheelConfig) -> list[str]:
     inbox = Path(cfg.home) / "inbox"
     if not inbox.is_dir():
         return []
@@ -239,7 +230,6 @@ def flywheel_cycle(
     """Run one flywheel cycle. ``traces``: files to ingest (default: everything in ``<home>/inbox``).
     ``force``: run the learning stages even when no new failure arrived since the last cycle."""
     global _R
-    from flywheel.config import load_config
 
     cfg = load_config(config_path, overrides)
 
@@ -337,8 +327,6 @@ def flywheel_cycle(
         base = champion_ref if champion is not None else cfg.policy.base_model
 
         # 5. training: SFT warm start when GRPO would learn nothing, then GRPO
-        from flywheel.train.stage import choose_mode
-
         st = roll.get("stats") or {}
         mode = cfg.train.mode
         why = f"train.mode = {mode}"
@@ -404,7 +392,7 @@ def flywheel_cycle(
 
 
 def run_cycle(
-    cfg: Any,
+    cfg: FlywheelConfig,
     *,
     traces: list[str] | None = None,
     config_path: str | None = None,

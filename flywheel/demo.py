@@ -39,6 +39,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from flywheel.artifacts import ArtifactStore, open_artifacts
+from flywheel.champion import deployments
+from flywheel.config import FlywheelConfig
+from flywheel.deploy import bootstrap_champion
+from flywheel.evaluate import ModelRef, evaluate_model
+from flywheel.lineage import traces_of
+from flywheel.report import build_report
+from flywheel.stats import wilson
+from flywheel.store import EventStore, open_store
+from flywheel.tracking import Tracker
+from flywheel.verifiers.bfcl import load_bfcl
+from flywheel.versioning import load_suite
+
 # Demo-sized settings. "cpu": two waves and two cycles in about 20 minutes on 2 CPU cores after set-up
 # (measured timings in the README); "gpu": larger budgets for a machine with CUDA; "smoke": the same
 # path with a tiny random model in a few minutes (tests/integration/test_demo.py).
@@ -127,12 +140,10 @@ def demo_overrides(profile: str, home: Path, seed: int | None = None) -> dict[st
 # -------------------------------------------------------------------------------- step 1: champion
 
 
-def ensure_champion(cfg: Any, store: Any, tracker: Any) -> tuple[int, bool]:
+def ensure_champion(cfg: FlywheelConfig, store: EventStore, tracker: Tracker) -> tuple[int, bool]:
     """Register the base model as the first version of ``cycle.model_name`` and make it champion
     (:func:`flywheel.deploy.bootstrap_champion`, what ``flywheel init`` does too). Idempotent: an
     existing champion is kept (a re-run of the demo continues from it)."""
-    from flywheel.deploy import bootstrap_champion
-
     return bootstrap_champion(cfg, store, tracker)
 
 
@@ -189,8 +200,6 @@ class ServerProcess:
 def traffic_items(counts: dict[str, int], *, offsets: dict[str, int] | None = None) -> list[Any]:
     """BFCL questions for the replay: ``counts[cat]`` questions of each category from ``offsets[cat]``
     (deterministic; the next wave starts where the previous one stopped)."""
-    from flywheel.verifiers.bfcl import load_bfcl
-
     items = []
     for cat, n in counts.items():
         start = (offsets or {}).get(cat, 0)
@@ -312,7 +321,7 @@ def _serve_env(overrides: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def run_wave(cfg: Any, profile: str, wave: int, items: list[Any], *, config_path: str | None,
+def run_wave(cfg: FlywheelConfig, profile: str, wave: int, items: list[Any], *, config_path: str | None,
              overrides: dict[str, Any], ui: DemoUI) -> dict[str, Any]:
     """Serve the current champion and replay ``items`` through it; the log lands in the inbox."""
     server = ServerProcess(cfg.home, config_path, _serve_env(overrides))
@@ -346,18 +355,12 @@ def _trained_how(cycle: dict[str, Any], version: int, name: str) -> str:
     return " + ".join(parts) or f"model:{name}/{version}"
 
 
-def scoreboard(cfg: Any, store: Any, artifacts: Any, tracker: Any, cycles: list[dict[str, Any]],
+def scoreboard(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker, cycles: list[dict[str, Any]],
                wave_of_trace: Callable[[dict[str, Any]], int | None]) -> dict[str, Any]:
     """Every model the demo gated, on the *same* (final) held-out suite version, and every gate decision.
 
     Models already evaluated on that version (the last gate's two) come from the evaluation cache.
     """
-    from flywheel.champion import deployments
-    from flywheel.evaluate import ModelRef, evaluate_model
-    from flywheel.lineage import traces_of
-    from flywheel.stats import wilson
-    from flywheel.versioning import load_suite
-
     name = cfg.cycle.model_name
     suite = load_suite(store, artifacts, cfg.cycle.heldout_suite)
     champions = [d.to_version for d in deployments(store, name)]
@@ -404,14 +407,10 @@ def scoreboard(cfg: Any, store: Any, artifacts: Any, tracker: Any, cycles: list[
             "final_champion": f"model:{name}/{final}" if final is not None else None, "lineage": lineage}
 
 
-def run_demo(cfg: Any, profile: str, *, config_path: str | None, overrides: dict[str, Any],
+def run_demo(cfg: FlywheelConfig, profile: str, *, config_path: str | None, overrides: dict[str, Any],
              ui: DemoUI = SILENT) -> DemoResult:
     """The whole demo (see the module docstring). ``cfg`` is the configuration built from ``overrides``."""
-    from flywheel.artifacts import open_artifacts
-    from flywheel.flows.cycle import run_cycle
-    from flywheel.report import build_report
-    from flywheel.store import open_store
-    from flywheel.tracking import Tracker
+    from flywheel.flows.cycle import run_cycle  # prefect: heavy; its settings are read at import
 
     timings: dict[str, float] = {}
     t_all = time.perf_counter()

@@ -19,6 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flywheel.config import FlywheelConfig
+
 FLOW_NAME = "flywheel-cycle"
 ENTRYPOINT = "flows/cycle.py:flywheel_cycle"
 
@@ -47,10 +49,10 @@ def _cron(cron: str, timezone: str) -> Any:
         raise ScheduleError(f"invalid schedule {cron!r} ({timezone}): {e}") from None
 
 
-def apply_schedule(cfg: Any, *, cron: str, timezone: str = "UTC", name: str = "nightly",
+def apply_schedule(cfg: FlywheelConfig, *, cron: str, timezone: str = "UTC", name: str = "nightly",
                    work_pool: str | None = None, config_path: str | None = None) -> dict[str, Any]:
     """Create or update the deployment ``flywheel-cycle/<name>`` with a cron schedule."""
-    from flywheel.flows.cycle import flywheel_cycle
+    from flywheel.flows.cycle import flywheel_cycle  # prefect: heavy, and its settings are read at import
 
     params = {"config_path": config_path, "overrides": {"home": str(cfg.home)}}
     schedule = _cron(cron, timezone)
@@ -105,9 +107,9 @@ def set_paused(name: str, *, paused: bool) -> dict[str, Any]:
     return {"deployment": f"{FLOW_NAME}/{name}", "id": str(dep.id), "paused": bool(dep.paused)}
 
 
-def serve_forever(cfg: Any, *, cron: str, timezone: str, name: str, config_path: str | None) -> None:  # pragma: no cover
+def serve_forever(cfg: FlywheelConfig, *, cron: str, timezone: str, name: str, config_path: str | None) -> None:  # pragma: no cover
     """Run scheduled flow runs in this process (blocks)."""
-    from flywheel.flows.cycle import flywheel_cycle
+    from flywheel.flows.cycle import flywheel_cycle  # prefect: heavy, and its settings are read at import
 
     flywheel_cycle.serve(name=name, schedules=[_cron(cron, timezone)],
                          parameters={"config_path": config_path, "overrides": {"home": str(cfg.home)}})

@@ -92,21 +92,28 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import Request  # module level: FastAPI resolves the string annotations of endpoints here
+# Request at module level: FastAPI resolves the string annotations of endpoints here
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError, from_json
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from flywheel.config import FlywheelConfig, ServeConfig
 from flywheel.net import bind, is_loopback
 from flywheel.policy.base import Policy, PromptTooLongError, SamplingParams
 from flywheel.policy.batching import BatchingPolicy
+from flywheel.policy.hf import HFPolicy
 from flywheel.policy.models import ModelLoadError
+from flywheel.policy.registry import ModelRefError, load_policy_for_version, resolve_model
 from flywheel.store import NewEvent, StoreLockedError, open_store
 from flywheel.tracking import Tracker
+from flywheel.vocab.toolcalls import parse_tool_calls
 
 if TYPE_CHECKING:
     import uvicorn
-    from fastapi import FastAPI
 
 log = logging.getLogger("flywheel.serve")
 
@@ -494,112 +501,175 @@ def _token_str(tokenizer: Any, tid: int) -> str:
     return tokenizer.decode([tid])
 
 
-def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, limits: ServeLimits | None = None,
-               allowed_hosts: Sequence[str] | None = None, adapter_loading: AdapterLoading | None = None,
-               ) -> FastAPI:
-    """The FastAPI app (see module docstring). ``policy_provider()`` returns ``(model name, policy)``.
+def error_response(e: ApiError) -> JSONResponse:
+    """``e`` as OpenAI's error body. Every error closes its connection: it may leave a request body
+    unread (413, 415, 408, a refused Host or key) that the client could go on trickling (uvicorn
+    honours the header)."""
+    headers = {"Connection": "close"}
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(_error_body(e.status, e.message, e.type, e.param, e.code), status_code=e.status,
+                        headers=headers)
 
-    ``allowed_hosts``: Host header names answered (default: the loopback names; see
-    :func:`allowed_hosts_for`). ``adapter_loading``: None keeps the LoRA endpoints off (403).
-    """
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-    from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-    from starlette.requests import ClientDisconnect
 
-    lim = limits or ServeLimits()
-    key_bytes = api_key.encode() if api_key else None
-    hosts = frozenset(allowed_hosts if allowed_hosts is not None else LOOPBACK_HOSTS)
-    app = FastAPI(title="flywheel serve", docs_url=None, redoc_url=None, openapi_url=None)
-    adapters = _Adapters()
-    inflight = {"n": 0}
-    inflight_lock = threading.Lock()
-    app.state.adapters = adapters
-    app.state.limits = lim  # run_in_thread / serve configure uvicorn from it
-    # Concurrent requests to the same policy are merged into one batched generate call (see
-    # flywheel.policy.batching); keyed by the policy object so a hot swap gets a fresh batcher. The
-    # batcher holds its policy weakly: a value that referenced its key strongly kept every replaced
-    # model alive in this WeakKeyDictionary (one model per promotion).
-    batchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    batchers_lock = threading.Lock()
+async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+    return error_response(e)
 
-    def batcher(policy: Any) -> BatchingPolicy:
-        with batchers_lock:
-            b = batchers.get(policy)
+
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    code = "not_found" if e.status_code == 404 else None
+    return error_response(ApiError(e.status_code, str(e.detail), param=None, code=code))
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    ref = uuid.uuid4().hex[:12]
+    log.error("internal error %s on %s %s", ref, request.method, request.url.path, exc_info=e)
+    return error_response(ApiError(500, f"internal error (reference {ref} in the server log)", type_="server_error"))
+
+
+async def read_body(request: Request, lim: ServeLimits) -> bytes:
+    """The JSON body of ``request`` within ``lim``: 415 unless it is sent as JSON, 413 over
+    ``max_body_bytes`` (declared or streamed), 408 past ``body_timeout_s``."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, "requests must be sent as 'Content-Type: application/json'",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            too_big = int(declared) > lim.max_body_bytes
+        except ValueError:
+            raise ApiError(400, "invalid Content-Length header") from None
+        if too_big:
+            raise ApiError(413, f"request body of {declared} bytes exceeds the {lim.max_body_bytes} byte limit",
+                           code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(lim.body_timeout_s):
+            async for chunk in request.stream():  # also bounds chunked bodies without a length
+                size += len(chunk)
+                if size > lim.max_body_bytes:
+                    raise ApiError(413, f"request body exceeds the {lim.max_body_bytes} byte limit",
+                                   code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {lim.body_timeout_s:g} s",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        raise ApiError(400, "client disconnected while sending the body") from None
+    return b"".join(chunks)
+
+
+def completion_body(req: ChatCompletionRequest, model_id: str, policy: Any, samples: Sequence[Any]) -> dict[str, Any]:
+    """The OpenAI ``chat.completion`` body for the ``samples`` one request generated (module
+    docstring: raw text in ``content``, parsed ``tool_calls`` unless ``tool_choice`` is ``"none"``,
+    vLLM's ``token_ids`` extension)."""
+    tokenizer = getattr(policy, "tokenizer", None)
+    parse_calls = req.tool_choice != "none"
+    choices = []
+    for i, s in enumerate(samples):
+        message: dict[str, Any] = {"role": "assistant", "content": s.text}
+        finish = s.finish_reason
+        if parse_calls:
+            parsed = parse_tool_calls(s.text)
+            if parsed.calls and not parsed.error:
+                message["tool_calls"] = [
+                    c.to_openai(f"call_{uuid.uuid4().hex[:24]}") for c in parsed.calls
+                ]
+                if finish == "stop":
+                    finish = "tool_calls"
+        choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
+        if req.logprobs:
+            content = []
+            for tid, lp in zip(s.completion_token_ids, s.logprobs, strict=False):
+                tok = _token_str(tokenizer, tid)
+                content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []})
+            choice["logprobs"] = {"content": content}
+        if req.return_token_ids:
+            choice["token_ids"] = s.completion_token_ids
+        choices.append(choice)
+    prompt_ids = samples[0].prompt_token_ids if samples else []
+    completion_tokens = sum(len(s.completion_token_ids) for s in samples)
+    out: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_id,
+        "system_fingerprint": f"flywheel-{getattr(policy, 'version', '')}",
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) + completion_tokens,
+        },
+    }
+    if req.return_token_ids:
+        out["prompt_token_ids"] = prompt_ids
+    return out
+
+
+class ServeState:
+    """What one app serves and guards: the policy provider, the bounds, the Host and key checks, the
+    adapter table, the in-flight count and the batchers. The route handlers are its methods;
+    :func:`create_app` wires them to a FastAPI app (see the module docstring for the behaviour)."""
+
+    def __init__(self, policy_provider: PolicyProvider, *, api_key: str | None = None,
+                 limits: ServeLimits | None = None, allowed_hosts: Sequence[str] | None = None,
+                 adapter_loading: AdapterLoading | None = None) -> None:
+        self.policy_provider = policy_provider
+        self.limits = limits or ServeLimits()
+        self.key_bytes = api_key.encode() if api_key else None
+        self.hosts = frozenset(allowed_hosts if allowed_hosts is not None else LOOPBACK_HOSTS)
+        self.adapter_loading = adapter_loading
+        self.adapters = _Adapters()
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        # Concurrent requests to the same policy are merged into one batched generate call (see
+        # flywheel.policy.batching); keyed by the policy object so a hot swap gets a fresh batcher. The
+        # batcher holds its policy weakly: a value that referenced its key strongly kept every replaced
+        # model alive in this WeakKeyDictionary (one model per promotion).
+        self._batchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._batchers_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+    def batcher(self, policy: Any) -> BatchingPolicy:
+        with self._batchers_lock:
+            b = self._batchers.get(policy)
             if b is None:
-                b = batchers[policy] = BatchingPolicy(policy, max_prompts=max(lim.max_concurrency, 1), weak=True)
+                b = self._batchers[policy] = BatchingPolicy(policy, max_prompts=max(self.limits.max_concurrency, 1),
+                                                            weak=True)
             return b
 
-    def err(e: ApiError) -> JSONResponse:
-        # An error may leave a request body unread (413, 415, 408, a refused Host or key) that the
-        # client could go on trickling; closing the connection ends it (uvicorn honours the header).
-        headers = {"Connection": "close"}
-        if e.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(_error_body(e.status, e.message, e.type, e.param, e.code), status_code=e.status,
-                            headers=headers)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return err(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if e.status_code == 404 else None
-        return err(ApiError(e.status_code, str(e.detail), param=None, code=code))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception) -> JSONResponse:
-        ref = uuid.uuid4().hex[:12]
-        log.error("internal error %s on %s %s", ref, request.method, request.url.path, exc_info=e)
-        return err(ApiError(500, f"internal error (reference {ref} in the server log)", type_="server_error"))
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Any) -> Any:
-        if "*" not in hosts and host_name(request.headers.get("host")) not in hosts:
-            return err(ApiError(400, "this server does not answer to that Host header (serve.allowed_hosts)",
-                                code="invalid_host"))
-        if key_bytes is not None:
+    async def guard(self, request: Request, call_next: Any) -> Any:
+        """HTTP middleware: the Host header (400) and, when a key is set, the bearer key (401)."""
+        if "*" not in self.hosts and host_name(request.headers.get("host")) not in self.hosts:
+            return error_response(ApiError(400, "this server does not answer to that Host header "
+                                           "(serve.allowed_hosts)", code="invalid_host"))
+        if self.key_bytes is not None:
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key_bytes)
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key_bytes)
             if not ok:
-                return err(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                    type_="authentication_error", code="invalid_api_key"))
+                return error_response(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                               type_="authentication_error", code="invalid_api_key"))
         return await call_next(request)
 
-    async def read_body(request: Request) -> bytes:
-        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media != "application/json":
-            raise ApiError(415, "requests must be sent as 'Content-Type: application/json'",
-                           code="unsupported_media_type")
-        declared = request.headers.get("content-length")
-        if declared is not None:
-            try:
-                too_big = int(declared) > lim.max_body_bytes
-            except ValueError:
-                raise ApiError(400, "invalid Content-Length header") from None
-            if too_big:
-                raise ApiError(413, f"request body of {declared} bytes exceeds the {lim.max_body_bytes} byte limit",
-                               code="request_too_large")
-        chunks, size = [], 0
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """One of ``max_concurrency`` generation slots; 429 at once when all are taken."""
+        lim = self.limits
+        with self._inflight_lock:
+            if self._inflight >= lim.max_concurrency:
+                raise ApiError(429, f"server busy: {lim.max_concurrency} requests in flight, retry later",
+                               type_="rate_limit_error", code="too_many_requests")
+            self._inflight += 1
         try:
-            async with asyncio.timeout(lim.body_timeout_s):
-                async for chunk in request.stream():  # also bounds chunked bodies without a length
-                    size += len(chunk)
-                    if size > lim.max_body_bytes:
-                        raise ApiError(413, f"request body exceeds the {lim.max_body_bytes} byte limit",
-                                       code="request_too_large")
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise ApiError(408, f"request body not received within {lim.body_timeout_s:g} s",
-                           code="request_timeout") from None
-        except ClientDisconnect:
-            raise ApiError(400, "client disconnected while sending the body") from None
-        return b"".join(chunks)
+            yield
+        finally:
+            with self._inflight_lock:
+                self._inflight -= 1
 
-    def forget(dropped: list[_Adapter], old_base: Any, served: str, reason: str) -> None:
+    def forget(self, dropped: list[_Adapter], old_base: Any, served: str, reason: str) -> None:
         """Adapters of a replaced base: drop their weights if that base lives on, and record it."""
         for a in dropped:
             if old_base is not None and hasattr(old_base, "unload_adapter"):
@@ -607,31 +677,31 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
                     old_base.unload_adapter(a.internal)
                 except Exception:
                     log.exception("unloading adapter %s from the replaced base failed", a.name)
-            if adapter_loading is not None:
+            if self.adapter_loading is not None:
                 try:
-                    adapter_loading.record("adapter.unloaded", f"serve:{served}", {
+                    self.adapter_loading.record("adapter.unloaded", f"serve:{served}", {
                         "action": "unload", "lora_name": a.name, "load_id": a.load_id, "adapter_sha256": a.sha256,
                         "reason": reason, "at": _now(), "host": socket.gethostname(), "pid": os.getpid(),
                     })
                 except Exception:
                     log.exception("recording that adapter %s was forgotten failed", a.name)
 
-    def table_for(name: str, base: Any) -> dict[str, _Adapter]:
-        table, dropped, old = adapters.current(base)
+    def table_for(self, name: str, base: Any) -> dict[str, _Adapter]:
+        table, dropped, old = self.adapters.current(base)
         if dropped:
-            forget(dropped, old, name, "base_model_changed")
+            self.forget(dropped, old, name, "base_model_changed")
         return table
 
-    async def current_table(name: str, base: Any) -> dict[str, _Adapter]:
-        table, dropped, old = adapters.current(base)
+    async def current_table(self, name: str, base: Any) -> dict[str, _Adapter]:
+        table, dropped, old = self.adapters.current(base)
         if dropped:  # once per swap: unloading and recording block, so not on the event loop
-            await run_in_threadpool(forget, dropped, old, name, "base_model_changed")
+            await run_in_threadpool(self.forget, dropped, old, name, "base_model_changed")
         return table
 
-    async def resolve(model: str | None) -> tuple[str, Any]:
+    async def resolve(self, model: str | None) -> tuple[str, Any]:
         """(served model id, policy) for a request, from the provider."""
-        name, base = policy_provider()
-        table = await current_table(name, base)
+        name, base = self.policy_provider()
+        table = await self.current_table(name, base)
         if model is None or model == name:
             return name, base
         if model in table:
@@ -639,28 +709,20 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
         raise ApiError(404, f"model {model!r} does not exist (served: {[name, *sorted(table)]})",
                        param="model", code="model_not_found")
 
-    @contextmanager
-    def slot() -> Iterator[None]:
-        with inflight_lock:
-            if inflight["n"] >= lim.max_concurrency:
-                raise ApiError(429, f"server busy: {lim.max_concurrency} requests in flight, retry later",
-                               type_="rate_limit_error", code="too_many_requests")
-            inflight["n"] += 1
-        try:
-            yield
-        finally:
-            with inflight_lock:
-                inflight["n"] -= 1
+    def loading_on(self) -> AdapterLoading:
+        if self.adapter_loading is None:
+            raise ApiError(403, "adapter loading is disabled on this server (serve.allow_adapter_loading)",
+                           type_="permission_error", code="adapter_loading_disabled")
+        return self.adapter_loading
 
-    @app.get("/health")
-    async def health() -> dict:
-        name, policy = policy_provider()
+    # ------------------------------------------------------------------ routes
+    async def health(self) -> dict:
+        name, policy = self.policy_provider()
         return {"status": "ok", "model": name, "version": getattr(policy, "version", None)}
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        name, base = policy_provider()
-        table = await current_table(name, base)
+    async def models(self) -> dict:
+        name, base = self.policy_provider()
+        table = await self.current_table(name, base)
         now = int(time.time())
         data = [{"id": name, "object": "model", "created": now, "owned_by": "flywheel", "root": name, "parent": None}]
         for lora in sorted(table):
@@ -668,18 +730,18 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
                          "parent": name})
         return {"object": "list", "data": data}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_body(request), lim)
+    async def chat(self, request: Request) -> JSONResponse:
+        lim = self.limits
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await read_body(request, lim), lim)
         if req.stream:
             raise ApiError(400, "streaming is not supported by flywheel serve", param="stream")
         params = req.sampling_params(lim)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        model_id, policy = await resolve(req.model)  # held until the response is built (hot swap)
-        with slot():
+        model_id, policy = await self.resolve(req.model)  # held until the response is built (hot swap)
+        with self.slot():
             try:
-                groups = await run_in_threadpool(batcher(policy).generate, [messages], params, tools=[tools])
+                groups = await run_in_threadpool(self.batcher(policy).generate, [messages], params, tools=[tools])
             except PromptTooLongError as e:
                 raise ApiError(400, f"the prompt has {e.tokens} tokens; the model's context is {e.limit} tokens",
                                param="messages", code="context_length_exceeded") from None
@@ -690,62 +752,29 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
                 log.warning("request refused by the prompt format: %s", e)
                 raise ApiError(400, "the messages and tools could not be rendered into a prompt",
                                param="messages") from None
-        samples = groups[0]
-        tokenizer = getattr(policy, "tokenizer", None)
-        parse_calls = req.tool_choice != "none"
-        choices = []
-        for i, s in enumerate(samples):
-            message: dict[str, Any] = {"role": "assistant", "content": s.text}
-            finish = s.finish_reason
-            if parse_calls:
-                from flywheel.vocab.toolcalls import parse_tool_calls
+        return JSONResponse(completion_body(req, model_id, policy, groups[0]))
 
-                parsed = parse_tool_calls(s.text)
-                if parsed.calls and not parsed.error:
-                    message["tool_calls"] = [
-                        c.to_openai(f"call_{uuid.uuid4().hex[:24]}") for c in parsed.calls
-                    ]
-                    if finish == "stop":
-                        finish = "tool_calls"
-            choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
-            if req.logprobs:
-                content = []
-                for tid, lp in zip(s.completion_token_ids, s.logprobs, strict=False):
-                    tok = _token_str(tokenizer, tid)
-                    content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []})
-                choice["logprobs"] = {"content": content}
-            if req.return_token_ids:
-                choice["token_ids"] = s.completion_token_ids
-            choices.append(choice)
-        prompt_ids = samples[0].prompt_token_ids if samples else []
-        completion_tokens = sum(len(s.completion_token_ids) for s in samples)
-        out: dict[str, Any] = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_id,
-            "system_fingerprint": f"flywheel-{getattr(policy, 'version', '')}",
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt_ids) + completion_tokens,
-            },
-        }
-        if req.return_token_ids:
-            out["prompt_token_ids"] = prompt_ids
-        return JSONResponse(out)
+    async def load_lora(self, request: Request) -> JSONResponse:
+        loading = self.loading_on()
+        req: LoadLoraRequest = parse_request(LoadLoraRequest, await read_body(request, self.limits), self.limits)
+        with self.slot():
+            await run_in_threadpool(self.load, req, loading)
+        return JSONResponse({"status": "ok", "message": f"Success: LoRA adapter '{req.lora_name}' added successfully."})
 
-    def loading_on() -> AdapterLoading:
-        if adapter_loading is None:
-            raise ApiError(403, "adapter loading is disabled on this server (serve.allow_adapter_loading)",
-                           type_="permission_error", code="adapter_loading_disabled")
-        return adapter_loading
+    async def unload_lora(self, request: Request) -> JSONResponse:
+        loading = self.loading_on()
+        req: UnloadLoraRequest = parse_request(UnloadLoraRequest, await read_body(request, self.limits), self.limits)
+        with self.slot():
+            await run_in_threadpool(self.unload, req, loading)
+        return JSONResponse({"status": "ok",
+                             "message": f"Success: LoRA adapter '{req.lora_name}' removed successfully."})
 
-    def load(req: LoadLoraRequest, loading: AdapterLoading) -> None:
+    # ------------------------------------------------------------------ adapter admin (worker threads)
+    def load(self, req: LoadLoraRequest, loading: AdapterLoading) -> None:
+        adapters = self.adapters
         with adapters.admin:  # a second load of the same name waits here, then finds it taken
-            name, base = policy_provider()
-            table = table_for(name, base)
+            name, base = self.policy_provider()
+            table = self.table_for(name, base)
             reserved = {name, "default"}  # "default": the champion's own adapter (HFPolicy.from_spec)
             if hasattr(base, "adapter_names"):
                 reserved |= set(base.adapter_names())
@@ -781,14 +810,15 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
                 raise ApiError(503, "the load could not be recorded in the event store, so nothing was loaded; "
                                "retry later", type_="server_error", code="event_store_unavailable") from None
             if not adapters.publish(base, entry):  # the base was replaced meanwhile: this adapter is moot
-                forget([entry], base, name, "base_model_changed")
+                self.forget([entry], base, name, "base_model_changed")
                 raise ApiError(503, "the served model changed during the load; retry", type_="server_error",
                                code="model_changed")
 
-    def unload(req: UnloadLoraRequest, loading: AdapterLoading) -> None:
+    def unload(self, req: UnloadLoraRequest, loading: AdapterLoading) -> None:
+        adapters = self.adapters
         with adapters.admin:
-            name, base = policy_provider()
-            table_for(name, base)
+            name, base = self.policy_provider()
+            self.table_for(name, base)
             entry = adapters.withdraw(base, req.lora_name)  # no new request gets it from now on
             if entry is None:
                 raise ApiError(404, f"LoRA adapter {req.lora_name!r} is not loaded", param="lora_name",
@@ -809,23 +839,31 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
             except Exception:  # no longer served; its weights stay in memory until the base is replaced
                 log.exception("dropping the weights of adapter %r failed", req.lora_name)
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora(request: Request) -> JSONResponse:
-        loading = loading_on()
-        req: LoadLoraRequest = parse_request(LoadLoraRequest, await read_body(request), lim)
-        with slot():
-            await run_in_threadpool(load, req, loading)
-        return JSONResponse({"status": "ok", "message": f"Success: LoRA adapter '{req.lora_name}' added successfully."})
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora(request: Request) -> JSONResponse:
-        loading = loading_on()
-        req: UnloadLoraRequest = parse_request(UnloadLoraRequest, await read_body(request), lim)
-        with slot():
-            await run_in_threadpool(unload, req, loading)
-        return JSONResponse({"status": "ok",
-                             "message": f"Success: LoRA adapter '{req.lora_name}' removed successfully."})
+def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, limits: ServeLimits | None = None,
+               allowed_hosts: Sequence[str] | None = None, adapter_loading: AdapterLoading | None = None,
+               ) -> FastAPI:
+    """The FastAPI app (see module docstring). ``policy_provider()`` returns ``(model name, policy)``.
 
+    ``allowed_hosts``: Host header names answered (default: the loopback names; see
+    :func:`allowed_hosts_for`). ``adapter_loading``: None keeps the LoRA endpoints off (403).
+    ``app.state.serve`` is the app's :class:`ServeState`.
+    """
+    state = ServeState(policy_provider, api_key=api_key, limits=limits, allowed_hosts=allowed_hosts,
+                       adapter_loading=adapter_loading)
+    app = FastAPI(title="flywheel serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+    app.state.adapters = state.adapters
+    app.state.limits = state.limits  # run_in_thread / serve configure uvicorn from it
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.middleware("http")(state.guard)
+    app.get("/health")(state.health)
+    app.get("/v1/models")(state.models)
+    app.post("/v1/chat/completions")(state.chat)
+    app.post("/v1/load_lora_adapter")(state.load_lora)
+    app.post("/v1/unload_lora_adapter")(state.unload_lora)
     return app
 
 
@@ -906,9 +944,6 @@ def build_policy(cfg: FlywheelConfig, model: str | None = None, tracker: Tracker
     now (pinned: ``--champion`` follows the alias) and served as ``<name>-<N>``; a spec or directory
     is served under the spec or the directory's name. ``champion`` before the first promotion is
     the base model. A server URL is refused (:class:`ServeError`)."""
-    from flywheel.policy.hf import HFPolicy
-    from flywheel.policy.registry import ModelRefError, load_policy_for_version, resolve_model
-
     try:
         m = resolve_model(cfg, tracker or Tracker(cfg), model or cfg.policy.base_model)
     except ModelRefError as e:

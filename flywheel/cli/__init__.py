@@ -4,8 +4,12 @@ function. Heavy modules are imported inside the commands so ``flywheel --help`` 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import typer
+
+from flywheel.cli.common import reserve_stdout_for_json
 
 app = typer.Typer(
     name="flywheel",
@@ -35,15 +39,10 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
-    import os
-    import sys
-
     # flywheel shows its own progress (rich); the libraries' tqdm bars would interleave with it.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
     if "--json" in sys.argv[1:]:
-        from flywheel.cli.common import reserve_stdout_for_json
-
         reserve_stdout_for_json()
     app()

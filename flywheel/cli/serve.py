@@ -42,9 +42,9 @@ def serve(
     """
     from pathlib import Path
 
-    from flywheel.policy.models import ModelLoadError
-    from flywheel.serve import ServeError, resolve_api_key
-    from flywheel.serve import serve as run_server
+    from flywheel.policy.models import ModelLoadError  # ~30 ms: off the CLI's start
+    from flywheel.serve import ServeError, resolve_api_key  # fastapi+duckdb, ~0.8 s: off the CLI's start
+    from flywheel.serve import serve as run_server  # fastapi+duckdb, ~0.8 s: off the CLI's start
 
     cfg = load(home, config)
     try:
@@ -56,7 +56,7 @@ def serve(
     if champion:
         if model:
             raise CliError("--champion and --model are exclusive: --champion serves the registered champion")
-        from flywheel.deploy import DeployError, champion_provider
+        from flywheel.deploy import DeployError, champion_provider  # duckdb, ~0.6 s: off the CLI's start
 
         try:
             provider = champion_provider(cfg)
