@@ -42,10 +42,15 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from flywheel.champion import CHAMPION, Deployment, deploy_stream, deployments, reconcile_champion
-from flywheel.store import NewEvent
+from flywheel.config import FlywheelConfig
+from flywheel.policy.models import ensure_base_model
+from flywheel.policy.registry import load_policy_for_version
+from flywheel.store import EventStore, NewEvent, StoreLockedError, open_store
+from flywheel.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +73,13 @@ def _now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds")
 
 
-def latest_suite_id(store: Any, suite_name: str) -> str | None:
+def latest_suite_id(store: EventStore, suite_name: str) -> str | None:
     """``suite:<name>@N`` of the latest version of a suite, from its ``suite.versioned`` events."""
     events = store.read(stream=f"suite:{suite_name}", types="suite.versioned")
     return str(events[-1].payload["entity_id"]) if events else None
 
 
-def _check_version(tracker: Any, name: str, version: int) -> None:
+def _check_version(tracker: Tracker, name: str, version: int) -> None:
     try:
         tracker.model_version(name, version)
     except Exception as e:  # MLflow raises its own exception types
@@ -82,7 +87,7 @@ def _check_version(tracker: Any, name: str, version: int) -> None:
 
 
 def find_gate_decision(
-    store: Any, name: str, version: int, *, suite_id: str | None, champion: str | None
+    store: EventStore, name: str, version: int, *, suite_id: str | None, champion: str | None
 ) -> dict[str, Any] | None:
     """The latest ``gate.decided`` payload for this model version on ``suite_id`` against
     ``champion`` (``model:<name>/<v>``, or ``None`` meaning "no champion": a base-model decision).
@@ -103,7 +108,7 @@ def find_gate_decision(
     return matches[-1] if matches else None
 
 
-def _record_then_move(store: Any, tracker: Any, name: str, event: NewEvent, expected: int, target: int,
+def _record_then_move(store: EventStore, tracker: Tracker, name: str, event: NewEvent, expected: int, target: int,
                       correlation_id: str | None) -> int | None:
     """Append the deployment event (expected version), then move the alias."""
     res = store.append(deploy_stream(name), event, expected_version=expected, correlation_id=correlation_id)
@@ -118,9 +123,9 @@ def _record_then_move(store: Any, tracker: Any, name: str, event: NewEvent, expe
 
 
 def promote(
-    cfg: Any,
-    store: Any,
-    tracker: Any,
+    cfg: FlywheelConfig,
+    store: EventStore,
+    tracker: Tracker,
     model_version: int,
     *,
     decision: Any = None,
@@ -204,9 +209,9 @@ def promote(
 
 
 def rollback(
-    cfg: Any,
-    store: Any,
-    tracker: Any,
+    cfg: FlywheelConfig,
+    store: EventStore,
+    tracker: Tracker,
     to: int | None = None,
     *,
     reason: str | None = None,
@@ -253,7 +258,7 @@ def rollback(
     return Deployment(**{**dep.to_json(), "seq": seq})
 
 
-def bootstrap_champion(cfg: Any, store: Any, tracker: Any) -> tuple[int, bool]:
+def bootstrap_champion(cfg: FlywheelConfig, store: EventStore, tracker: Tracker) -> tuple[int, bool]:
     """Register the base model (``[policy] base_model``) as the first version of ``[cycle]
     model_name`` and make it ``champion`` (forced: there is nothing to gate it against); returns
     ``(champion version, created)``. What ``flywheel init`` and the demo do, so ``champion`` names a
@@ -262,10 +267,6 @@ def bootstrap_champion(cfg: Any, store: Any, tracker: Any) -> tuple[int, bool]:
     Idempotent: an existing champion is kept (an interrupted bootstrap or promotion is completed
     first). Raises :class:`flywheel.policy.models.ModelLoadError` when the base model cannot be
     materialised locally (a hub name, a missing directory): nothing is registered then."""
-    from pathlib import Path
-
-    from flywheel.policy.models import ensure_base_model
-
     name = cfg.cycle.model_name
     current = reconcile_champion(store, tracker, name).champion  # a bootstrap killed half-way is completed
     if current is not None:
@@ -303,22 +304,18 @@ class ChampionWatcher:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: FlywheelConfig,
         name: str | None = None,
         *,
-        tracker: Any = None,
+        tracker: Tracker | None = None,
         loader: Callable[[int], Any] | None = None,
         alias_version: Callable[[], int | None] | None = None,
         poll_s: float | None = None,
     ) -> None:
         self.name = name or cfg.cycle.model_name
         if tracker is None and (loader is None or alias_version is None):
-            from flywheel.tracking import Tracker
-
             tracker = Tracker(cfg)
         if loader is None:
-            from flywheel.policy.registry import load_policy_for_version
-
             def loader(v: int) -> Any:
                 return load_policy_for_version(cfg, tracker, self.name, v)
 
@@ -400,20 +397,16 @@ class ChampionWatcher:
             self._old_sighup = None
 
 
-def champion_provider(cfg: Any, name: str | None = None, **kw: Any) -> ChampionWatcher:
+def champion_provider(cfg: FlywheelConfig, name: str | None = None, **kw: Any) -> ChampionWatcher:
     """A started :class:`ChampionWatcher`: pass it as ``policy_provider`` to ``create_app``. At start
     it opens the event store briefly to complete an interrupted promotion first (when another
     process holds the store, it serves the alias as it is: that process reconciles when it acts on
     the champion, and the watcher follows)."""
-    from flywheel.store import StoreLockedError, open_store
-
     watcher = ChampionWatcher(cfg, name, **kw)
     tracker = kw.get("tracker")
     try:
         with open_store(cfg) as store:
             if tracker is None:
-                from flywheel.tracking import Tracker
-
                 tracker = Tracker(cfg)
             reconcile_champion(store, tracker, watcher.name)
     except StoreLockedError as e:

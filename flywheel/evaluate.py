@@ -41,8 +41,15 @@ from typing import Any
 
 import pyarrow as pa
 
+from flywheel.artifacts import ArtifactError, ArtifactStore
+from flywheel.config import FlywheelConfig
+from flywheel.envs.harness import run_episodes
+from flywheel.policy.base import SamplingParams
+from flywheel.policy.hf import HFPolicy
 from flywheel.policy.registry import ModelRefError, load_policy_for_version
-from flywheel.store import NewEvent
+from flywheel.store import EventStore, NewEvent
+from flywheel.tracking import Tracker
+from flywheel.versioning import load_suite
 from flywheel.vocab.ids import SHORT_HEX, canonical_json, digest, short_id
 
 ITEM_SCHEMA = pa.schema(
@@ -115,14 +122,12 @@ class ModelRef:
 PolicyLoader = Callable[[ModelRef], Any]
 
 
-def default_policy_loader(cfg: Any, tracker: Any) -> PolicyLoader:
+def default_policy_loader(cfg: FlywheelConfig, tracker: Tracker) -> PolicyLoader:
     """Load a :class:`ModelRef` with the HF backend (registered versions through
     :func:`flywheel.policy.registry.load_policy_for_version`)."""
 
     def load(ref: ModelRef) -> Any:
         if ref.is_base:
-            from flywheel.policy.hf import HFPolicy  # torch + transformers: only when a model is loaded
-
             return HFPolicy.from_spec(
                 ref.spec, home=cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype, name="base", version="base"
             )
@@ -150,12 +155,10 @@ def parse_suite_spec(spec: str) -> tuple[str, int | None]:
     return s, None
 
 
-def resolve_suite(store: Any, artifacts: Any, suite: Any) -> Any:
+def resolve_suite(store: EventStore, artifacts: ArtifactStore, suite: Any) -> Any:
     """A suite object (``entity_id``, ``name``, ``version``, ``tasks``) from an object or a spec string."""
     if not isinstance(suite, str):
         return suite
-    from flywheel.versioning import load_suite
-
     parse_suite_spec(suite)  # validates the spec before touching the store
     try:
         return load_suite(store, artifacts, suite)
@@ -293,10 +296,8 @@ def task_hash(task: Any) -> str:
     return digest(canonical_json(body))
 
 
-def _reusable_rows(store: Any, artifacts: Any, ref: ModelRef, decoding: Mapping[str, Any]) -> tuple[dict[tuple[str, str], dict[str, Any]], list[str]]:
+def _reusable_rows(store: EventStore, artifacts: ArtifactStore, ref: ModelRef, decoding: Mapping[str, Any]) -> tuple[dict[tuple[str, str], dict[str, Any]], list[str]]:
     """Item rows of earlier evaluations of ``ref`` with ``decoding``, keyed by (task id, task hash)."""
-    from flywheel.artifacts import ArtifactError
-
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     sources: list[str] = []
     for ev in store.read(types="eval.completed"):
@@ -316,9 +317,7 @@ def _reusable_rows(store: Any, artifacts: Any, ref: ModelRef, decoding: Mapping[
     return rows, sources
 
 
-def _cached(store: Any, artifacts: Any, evaluation_id: str) -> tuple[dict[str, Any], pa.Table] | None:
-    from flywheel.artifacts import ArtifactError
-
+def _cached(store: EventStore, artifacts: ArtifactStore, evaluation_id: str) -> tuple[dict[str, Any], pa.Table] | None:
     events = store.read(stream=evaluation_id, types="eval.completed")
     if not events:
         return None
@@ -331,10 +330,10 @@ def _cached(store: Any, artifacts: Any, evaluation_id: str) -> tuple[dict[str, A
 
 
 def evaluate_model(
-    cfg: Any,
-    store: Any,
-    artifacts: Any,
-    tracker: Any,
+    cfg: FlywheelConfig,
+    store: EventStore,
+    artifacts: ArtifactStore,
+    tracker: Tracker,
     model_version: int | ModelRef,
     suite: Any,
     *,
@@ -359,9 +358,6 @@ def evaluate_model(
         payload, table = hit
         return EvalResult(evaluation_id, ref, suite_id, decoding, table, payload["items"], cached=True,
                           wall_s=float(payload.get("wall_s", 0.0)))
-
-    from flywheel.envs.harness import run_episodes
-    from flywheel.policy.base import SamplingParams
 
     tasks = list(suite_obj.tasks)
     hashes = [task_hash(t) for t in tasks]

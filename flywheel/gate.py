@@ -60,7 +60,11 @@ from typing import Any
 
 import numpy as np
 
+from flywheel import evaluate
+from flywheel.artifacts import ArtifactStore
 from flywheel.champion import reconcile_champion
+from flywheel.config import FlywheelConfig, GateConfig
+from flywheel.evaluate import ModelRef, evaluate_model, parse_suite_spec
 from flywheel.stats import (
     BootstrapResult,
     items_needed,
@@ -69,7 +73,9 @@ from flywheel.stats import (
     paired_bootstrap,
     sign_test,
 )
-from flywheel.tracking import DatasetSpec
+from flywheel.store import EventStore, NewEvent
+from flywheel.tracking import DatasetSpec, Tracker
+from flywheel.versioning import load_suite, versioned_event
 from flywheel.vocab.ids import GATE_HEX, short_id
 
 
@@ -362,7 +368,7 @@ class GateEvidence:
 EVIDENCE_RULES = frozenset({"min_paired_items", "significance", "min_improvement"})
 
 
-def decide(evidence: GateEvidence, gate_cfg: Any) -> tuple[str, list[RuleResult]]:
+def decide(evidence: GateEvidence, gate_cfg: GateConfig) -> tuple[str, list[RuleResult]]:
     """Apply every rule (no short-circuit: the report always shows all of them) and return the
     outcome, one of :data:`OUTCOMES`:
 
@@ -695,7 +701,7 @@ def render_markdown(decision: GateDecision) -> str:
 # the stage
 
 
-def _lineage_states(store: Any, entity_id: str | None) -> dict[str, dict[str, Any]]:
+def _lineage_states(store: EventStore, entity_id: str | None) -> dict[str, dict[str, Any]]:
     if not entity_id:
         return {}
     states: dict[str, dict[str, Any]] = {}
@@ -705,11 +711,9 @@ def _lineage_states(store: Any, entity_id: str | None) -> dict[str, dict[str, An
     return states
 
 
-def _champion_ref(cfg: Any, tracker: Any, challenger_version: int) -> Any:
+def _champion_ref(cfg: FlywheelConfig, tracker: Tracker, challenger_version: int) -> ModelRef:
     """The registered ``champion`` alias, else the challenger's base model (the first promotion must
     beat the model it was trained from)."""
-    from flywheel.evaluate import ModelRef
-
     name = cfg.cycle.model_name
     v = tracker.get_alias_version(name, "champion")
     if v is not None:
@@ -741,14 +745,12 @@ def _regression_summary(ch: Any, cp: Any | None, champion_present: bool) -> Regr
     return RegressionSummary(ch.suite, n, failures, new, champion_present, infra, tuple(failed[:20]))
 
 
-def _load_suite(store: Any, artifacts: Any, spec: Any, what: str) -> Any:
+def _load_suite(store: EventStore, artifacts: ArtifactStore, spec: Any, what: str) -> Any:
     """The suite ``spec`` names; ``None`` when no such version is recorded. A recorded suite whose
     artifact is missing, corrupt or malformed raises :class:`GateError`: a gate never decides (and
     a rule never passes) on a suite it could not read."""
     if not isinstance(spec, str):
         return spec
-    from flywheel.versioning import load_suite, versioned_event
-
     try:
         recorded = versioned_event(store, "suite", "suite.versioned", spec)
     except ValueError as e:
@@ -762,10 +764,10 @@ def _load_suite(store: Any, artifacts: Any, spec: Any, what: str) -> Any:
 
 
 def run_gate(
-    cfg: Any,
-    store: Any,
-    artifacts: Any,
-    tracker: Any,
+    cfg: FlywheelConfig,
+    store: EventStore,
+    artifacts: ArtifactStore,
+    tracker: Tracker,
     model_version: int,
     *,
     suite: Any = None,
@@ -784,9 +786,6 @@ def run_gate(
     Raises :class:`GateError` (or :class:`flywheel.evaluate.EvaluationError`) when the gate cannot be
     evaluated; a refusal is a normal return with ``passed=False``.
     """
-    from flywheel.evaluate import ModelRef, evaluate_model, parse_suite_spec
-    from flywheel.store import NewEvent
-
     name = cfg.cycle.model_name
     version = int(model_version)
     try:
@@ -806,9 +805,8 @@ def run_gate(
     # No regression suite recorded yet: the rule says so. One recorded but unreadable: an error.
     reg_suite = _load_suite(store, artifacts, cfg.cycle.regression_suite, "regression")
 
-    from flywheel.evaluate import default_policy_loader
-
-    base_loader = policy_loader or default_policy_loader(cfg, tracker)
+    # Looked up on the module at call time, so a replaced flywheel.evaluate.default_policy_loader is used.
+    base_loader = policy_loader or evaluate.default_policy_loader(cfg, tracker)
     loaded: dict[Any, Any] = {}
 
     def load_once(ref: Any) -> Any:  # held-out and regression suites share one loaded model

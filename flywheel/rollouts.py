@@ -35,9 +35,17 @@ from typing import Any
 
 import pyarrow as pa
 
+from flywheel.artifacts import ArtifactStore
 from flywheel.champion import reconcile_champion
+from flywheel.config import FlywheelConfig
+from flywheel.envs.harness import run_episodes
+from flywheel.policy.base import SamplingParams
 from flywheel.policy.registry import ModelRefError, ResolvedPolicy, resolve_policy
-from flywheel.store import NewEvent
+from flywheel.schemas.gx_suites import validate_frame
+from flywheel.schemas.rollouts import ROLLOUT_SCHEMA
+from flywheel.store import EventStore, NewEvent
+from flywheel.tracking import Tracker
+from flywheel.versioning import load_env
 from flywheel.vocab.ids import content_id, digest, short_id
 
 
@@ -77,10 +85,9 @@ def episodes_to_table(
     env_id: str, policy_ref: str, tasks: list[dict], groups: list[list[Any]], *, advantage: str, dynamic_sampling: str
 ) -> tuple[pa.Table, dict[str, Any]]:
     """Turn harness episodes into rollout rows (ROLLOUT_SCHEMA) and group statistics."""
-    import torch
+    import torch  # heavy: only when episodes become a dataset
 
-    from flywheel.advantages import compute_advantages
-    from flywheel.schemas.rollouts import ROLLOUT_SCHEMA
+    from flywheel.advantages import compute_advantages  # torch: heavy, only when episodes become a dataset
 
     rows: list[dict[str, Any]] = []
     n_groups = zero_var_groups = pass_any = dropped = 0
@@ -162,8 +169,6 @@ def validate_rollouts(table: pa.Table, group_size: int) -> tuple[bool, list[dict
     """Run the ``rollouts`` GX suite over the dataset (pandas at the boundary)."""
     import pyarrow.compute as pc
 
-    from flywheel.schemas.gx_suites import validate_frame
-
     n_ct = pc.list_value_length(table["completion_token_ids"])
     lens_ok = pc.and_(
         pc.equal(n_ct, pc.list_value_length(table["loss_mask"])),
@@ -178,10 +183,10 @@ def validate_rollouts(table: pa.Table, group_size: int) -> tuple[bool, list[dict
 
 
 def run_rollouts(
-    cfg: Any,
-    store: Any,
-    artifacts: Any,
-    tracker: Any,
+    cfg: FlywheelConfig,
+    store: EventStore,
+    artifacts: ArtifactStore,
+    tracker: Tracker,
     *,
     env: str | None = None,
     policy: str | ResolvedPolicy | None = None,
@@ -193,10 +198,6 @@ def run_rollouts(
 ) -> RolloutSummary:
     """Sample ``group_size`` episodes per task of env ``env`` (name or ``name@N``; default the training
     env) with ``policy`` (a reference, :func:`flywheel.policy.registry.resolve_policy`) and publish them as one Parquet dataset."""
-    from flywheel.envs.harness import run_episodes
-    from flywheel.policy.base import SamplingParams
-    from flywheel.versioning import load_env
-
     rc = cfg.rollout
     env_obj = load_env(store, artifacts, env or cfg.cycle.train_env)
     k = int(group_size or rc.group_size)

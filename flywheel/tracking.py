@@ -25,17 +25,22 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlparse, urlsplit, urlunsplit
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+    # annotation only: flywheel.config sits beside flywheel.tracking in the core layer (no imports between them)
+    from flywheel.config import FlywheelConfig
 
 EXPERIMENT = "flywheel"
 _TAG_MAX = 5000  # MLflow's tag value limit is 8000 characters; leave room for the key
@@ -191,8 +196,6 @@ def public_uri(uri: str) -> str:
 def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
-    import logging
-
     for name in ("mlflow", "alembic", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -261,7 +264,7 @@ class RunHandle:
 class Tracker:
     """MLflow access for one configuration."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: FlywheelConfig):
         self.cfg = cfg
         self.tracking_uri: str = cfg.mlflow_tracking_uri
         self.artifact_root = Path(cfg.mlflow_artifact_root)
@@ -438,8 +441,6 @@ class Tracker:
         """A local directory holding the files of a registered version (no copy for local stores)."""
         source = self.model_version(name, version).source
         if source.startswith("file://"):
-            from urllib.parse import unquote, urlparse
-
             return Path(unquote(urlparse(source).path))
         if source.startswith("/"):
             return Path(source)
@@ -448,8 +449,6 @@ class Tracker:
         dest = self.cfg.models_dir / "registry" / name / str(version)
         if not dest.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
-            import shutil
-
             tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
             tmp.mkdir(parents=True, exist_ok=True)
             # download_artifacts puts the files under <dst>/<last path component> and returns that path.

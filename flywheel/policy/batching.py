@@ -30,6 +30,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.policy.base import coerce_params, per_prompt_tools
+
 
 @dataclass
 class _Pending:
@@ -77,8 +79,6 @@ class BatchingPolicy:
         return getattr(params, "temperature", 1.0) == 0.0 or getattr(params, "seed", None) is None
 
     def generate(self, prompts: list[list[dict]], params: Any = None, *, tools: Any = None) -> list[list[Any]]:
-        from flywheel.policy.base import coerce_params, per_prompt_tools
-
         params = coerce_params(params)
         tools_pp = per_prompt_tools(tools, len(prompts))
         if not self._mergeable(params):

@@ -27,6 +27,8 @@ from typing import Any
 
 from flywheel.config import FlywheelConfig
 from flywheel.policy.base import Policy
+from flywheel.policy.hf import HFPolicy
+from flywheel.policy.openai_http import OpenAIPolicy
 from flywheel.tracking import Tracker
 from flywheel.vocab.refs import model_entity, parse_model_ref
 
@@ -124,8 +126,6 @@ def version_files(cfg: FlywheelConfig, tracker: Tracker, name: str, version: int
 
 def load_policy_for_version(cfg: FlywheelConfig, tracker: Tracker, name: str, version: int) -> Any:
     """An :class:`~flywheel.policy.hf.HFPolicy` for a registered version, full model or LoRA adapter."""
-    from flywheel.policy.hf import HFPolicy  # torch + transformers: only when a model is loaded
-
     files = version_files(cfg, tracker, name, version)
     common = dict(device=cfg.policy.device, dtype=cfg.policy.dtype, name=name, version=str(version))
     if files.adapter:
@@ -134,15 +134,11 @@ def load_policy_for_version(cfg: FlywheelConfig, tracker: Tracker, name: str, ve
 
 
 def _openai(cfg: FlywheelConfig, url: str, model: str) -> Any:
-    from flywheel.policy.openai_http import OpenAIPolicy
-
     return OpenAIPolicy(url, model=model, api_key=os.environ.get(cfg.policy.api_key_env),
                         max_concurrency=cfg.policy.max_concurrency, timeout_s=cfg.policy.request_timeout_s)
 
 
 def _base_policy(cfg: FlywheelConfig, spec: str) -> Any:
-    from flywheel.policy.hf import HFPolicy  # torch + transformers: only when a model is loaded
-
     return HFPolicy.from_spec(spec, home=cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype)
 
 

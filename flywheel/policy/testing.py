@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flywheel.policy.models import TINY, ensure_base_model
+from flywheel.policy.hf import HFPolicy
+from flywheel.policy.models import TINY, ensure_base_model, load_model
 
 
 def tiny_model_home(home: Path) -> Path:
@@ -26,8 +27,6 @@ def tiny_model_home(home: Path) -> Path:
 
 def tiny_policy(home: Path, **kwargs: Any) -> Any:
     """An fp32 CPU :class:`~flywheel.policy.hf.HFPolicy` over the tiny model."""
-    from flywheel.policy.hf import HFPolicy
-
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("dtype", "float32")
     return HFPolicy.from_spec(TINY, Path(tiny_model_home(home)), **kwargs)
@@ -36,10 +35,8 @@ def tiny_policy(home: Path, **kwargs: Any) -> Any:
 def make_lora_adapter(home: Path, out_dir: Path, *, seed: int = 0, r: int = 4) -> Path:
     """Save a LoRA adapter for the tiny model with random (non-zero) A and B matrices, so that it
     visibly changes the model's outputs. Returns ``out_dir``."""
-    import torch
+    import torch  # heavy: only when an adapter is made
     from peft import LoraConfig, get_peft_model
-
-    from flywheel.policy.models import load_model
 
     model, _ = load_model(TINY, home=Path(home), device="cpu", dtype="float32")
     cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)

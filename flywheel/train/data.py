@@ -38,8 +38,10 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from flywheel.advantages import AdvantageScale, compute_advantages, soft_overlong_penalty
+from flywheel.advantages import AdvantageScale, compute_advantages, soft_overlong_penalty, zero_variance_share
+from flywheel.artifacts import ArtifactStore
 from flywheel.config import ObjectiveConfig
+from flywheel.store import EventStore
 
 REQUIRED_COLUMNS = (
     "group_id", "prompt_token_ids", "completion_token_ids", "sampler_logprobs", "loss_mask",
@@ -146,8 +148,6 @@ def samples_from_rollouts(
         if objective.overlong_filter and s.truncated:
             s.loss_mask = [0] * len(s.loss_mask)
     stats.truncated = sum(s.truncated for s in samples)
-    from flywheel.advantages import zero_variance_share
-
     stats.groups = len(set(groups))
     stats.zero_variance_groups = round(zero_variance_share(rewards, groups) * stats.groups)
     raw = torch.tensor([s.reward for s in samples])
@@ -306,7 +306,7 @@ def _collate(group: list[TrainSample], *, packing: bool, pad_id: int) -> MicroBa
     )
 
 
-def load_rollout_tables(store: Any, artifacts: Any, rollout_ids: Sequence[str]) -> list[tuple[str, pa.Table, dict]]:
+def load_rollout_tables(store: EventStore, artifacts: ArtifactStore, rollout_ids: Sequence[str]) -> list[tuple[str, pa.Table, dict]]:
     """Resolve ``rollouts:<id>`` entities to their Parquet tables (hash-verified by the store).
 
     Returns ``(entity_id, table, payload)`` per id; raises :class:`TrainDataError` naming the id when

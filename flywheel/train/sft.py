@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from flywheel.policy.format import render_answer, render_prompt
 from flywheel.train.data import TrainSample
 from flywheel.train.demos import Demonstration
 
@@ -50,8 +51,6 @@ def end_of_turn(tokenizer: Any) -> str:
 
 def render_demonstration(tokenizer: Any, demo: Demonstration, eot: str | None = None) -> tuple[str, str]:
     """``(prompt_text, target_text)`` of a demonstration, through the shared format."""
-    from flywheel.policy.format import render_answer, render_prompt
-
     prompt = render_prompt(tokenizer, demo.messages, demo.tools)
     target = render_answer(demo.answer_calls or None, demo.answer_content) + (eot or end_of_turn(tokenizer))
     return prompt, target

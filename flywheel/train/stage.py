@@ -30,16 +30,22 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from flywheel.config import objective_temperature
-from flywheel.policy.registry import ModelRefError, version_files
-from flywheel.tracking import DatasetSpec
+from flywheel.artifacts import ArtifactStore
+from flywheel.config import FlywheelConfig, objective_temperature
+from flywheel.policy.models import load_model, resolve_device
+from flywheel.policy.registry import ModelRefError, resolve_model, version_files
+from flywheel.store import EventStore, NewEvent
+from flywheel.tracking import DatasetSpec, Tracker
 from flywheel.train.demos import Demonstration, check_demonstrations
 from flywheel.vocab.ids import canonical_json, json_id
 from flywheel.vocab.refs import parse_model_entity
+
+if TYPE_CHECKING:  # annotations only: flywheel.train.trainer imports torch
+    from flywheel.train.trainer import TrainerOptions
 
 
 @dataclass
@@ -73,15 +79,13 @@ def base_entity(base: str) -> str:
     return f"model:base/{Path(base).name or base}"
 
 
-def load_policy(cfg: Any, tracker: Any, base: str, *, device: str = "cpu") -> tuple[Any, Any, str]:
+def load_policy(cfg: FlywheelConfig, tracker: Tracker, base: str, *, device: str = "cpu") -> tuple[Any, Any, str]:
     """Load ``base`` (spec or ``model:<name>/<N>``) -> ``(model, tokenizer, base_model_spec)``.
 
     ``base_model_spec`` is what a LoRA adapter trained from it must be applied to. A registered
     version is read by the one rule of :func:`flywheel.policy.registry.version_files` (adapter or
     full model, and the adapter's base).
     """
-    from flywheel.policy.models import load_model  # torch + transformers
-
     if not base.startswith("model:"):
         model, tok = load_model(base, home=cfg.home, device=device, dtype=cfg.policy.dtype)
         return model, tok, base
@@ -100,11 +104,11 @@ def load_policy(cfg: Any, tracker: Any, base: str, *, device: str = "cpu") -> tu
 # -- shared run/registration plumbing ------------------------------------------------------------------
 
 
-def trainer_options(cfg: Any, *, objective: str, lr: float, steps: int) -> Any:
+def trainer_options(cfg: FlywheelConfig, *, objective: str, lr: float, steps: int) -> TrainerOptions:
     """The :class:`~flywheel.train.trainer.TrainerOptions` of one run: every knob comes from
     ``cfg.train``; the run sets the objective, peak ``lr`` and length. The log-prob temperature is the
     sampler's for GRPO (:func:`flywheel.config.objective_temperature`) and 1.0 for SFT."""
-    from flywheel.train.trainer import TrainerOptions
+    from flywheel.train.trainer import TrainerOptions  # torch: heavy, only when training
 
     try:
         temperature = 1.0 if objective == "sft" else objective_temperature(cfg)
@@ -116,20 +120,17 @@ def trainer_options(cfg: Any, *, objective: str, lr: float, steps: int) -> Any:
     )
 
 
-def _device(cfg: Any) -> str:
-    from flywheel.policy.models import resolve_device
-
+def _device(cfg: FlywheelConfig) -> str:
     return resolve_device(cfg.policy.device)
 
 
 def _train_and_register(
-    cfg: Any, store: Any, tracker: Any, *, mode: str, base: str, consumes: list[str], model: Any, tokenizer: Any,
-    base_spec: str, options: Any, steps: int, step_batches: Callable[[Any], Any],
+    cfg: FlywheelConfig, store: EventStore, tracker: Tracker, *, mode: str, base: str, consumes: list[str], model: Any,
+    tokenizer: Any, base_spec: str, options: TrainerOptions, steps: int, step_batches: Callable[[Any], Any],
     on_step: Callable[[int, dict[str, float]], None] | None, extra_params: dict[str, Any], run_payload: dict[str, Any],
     datasets: list[DatasetSpec],
 ) -> TrainResult:
-    from flywheel.store import NewEvent
-    from flywheel.train.trainer import Trainer
+    from flywheel.train.trainer import Trainer  # torch: heavy, only when training
 
     run_id = f"run:{uuid.uuid4().hex[:16]}"
     name = cfg.cycle.model_name
@@ -262,10 +263,10 @@ def _check_sampling_temperature(tables: Sequence[tuple[str, Any, dict[str, Any]]
 
 
 def train_grpo(
-    cfg: Any,
-    store: Any,
-    artifacts: Any,
-    tracker: Any,
+    cfg: FlywheelConfig,
+    store: EventStore,
+    artifacts: ArtifactStore,
+    tracker: Tracker,
     rollout_ids: Sequence[str],
     *,
     base: str | None = None,
@@ -289,8 +290,8 @@ def train_grpo(
     and greedy rollouts (temperature 0: every sample of a group is the same answer, so there is no
     group signal, and no finite temperature matches a greedy sampler).
     """
-    from flywheel.train.data import load_rollout_tables, samples_from_rollouts
-    from flywheel.train.trainer import batches
+    from flywheel.train.data import load_rollout_tables, samples_from_rollouts  # torch: heavy
+    from flywheel.train.trainer import batches  # torch: heavy, only when training
 
     if not rollout_ids:
         raise TrainStageError("train_grpo needs at least one rollout dataset id")
@@ -354,10 +355,10 @@ def train_grpo(
 
 
 def train_sft(
-    cfg: Any,
-    store: Any,
-    artifacts: Any,
-    tracker: Any,
+    cfg: FlywheelConfig,
+    store: EventStore,
+    artifacts: ArtifactStore,
+    tracker: Tracker,
     demonstrations: Sequence[Demonstration],
     *,
     base: str | None = None,
@@ -371,8 +372,8 @@ def train_sft(
     loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
     ``cfg.train.sft_lr`` unless ``steps``/``lr`` say otherwise; every other knob is ``cfg.train``.
     """
-    from flywheel.train.sft import demonstration_samples
-    from flywheel.train.trainer import batches
+    from flywheel.train.sft import demonstration_samples  # torch: heavy, only when training
+    from flywheel.train.trainer import batches  # torch: heavy, only when training
 
     if not demonstrations:
         raise TrainStageError("train_sft needs at least one demonstration")
@@ -410,32 +411,30 @@ def choose_mode(zero_variance_share: float, pass_at_k: float, *, threshold: floa
     return "grpo", f"{zero_variance_share:.0%} zero-variance groups, pass@K {pass_at_k:.2f}"
 
 
-def resolve_base(cfg: Any, tracker: Any, ref: str | None = None) -> str:
+def resolve_base(cfg: FlywheelConfig, tracker: Tracker, ref: str | None = None) -> str:
     """What to train from: ``ref`` (any reference of :func:`flywheel.policy.registry.resolve_model`;
     default ``champion``, as the cycle does) as ``model:<name>/<N>`` for a registered version, else
     the base spec or directory. A server URL is refused: training needs the weights."""
-    from flywheel.policy.registry import resolve_model
-
     m = resolve_model(cfg, tracker, ref or "champion")
     if m.url is not None:
         raise TrainStageError(f"cannot train from {m.url}: a server URL has no weights to train")
     return m.ref if m.version is not None else m.spec  # type: ignore[return-value]
 
 
-def latest_rollouts(store: Any) -> list[str]:
+def latest_rollouts(store: EventStore) -> list[str]:
     """The default rollouts of ``flywheel train``: the most recently published rollout dataset, as
     ``[rollouts:<id>]`` (empty when none was ever published)."""
     last = store.read(types="rollouts.published", limit=1, newest_first=True)
     return [last[0].stream] if last else []
 
 
-def auto_mode(cfg: Any, store: Any, artifacts: Any, rollout_ids: Sequence[str]) -> tuple[str, str]:
+def auto_mode(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, rollout_ids: Sequence[str]) -> tuple[str, str]:
     """``train.mode = auto`` over published rollout datasets: :func:`choose_mode` on their share of
     zero-variance groups and whether any sample passed (rows with an infrastructure error excluded)."""
-    import torch
+    import torch  # heavy: only when choosing a mode over rollouts
 
-    from flywheel.advantages import zero_variance_share
-    from flywheel.train.data import load_rollout_tables
+    from flywheel.advantages import zero_variance_share  # torch: heavy, only when choosing a mode
+    from flywheel.train.data import load_rollout_tables  # torch: heavy, only when choosing a mode
 
     zv, passed, n = 0.0, 0, 0
     for _, t, _ in load_rollout_tables(store, artifacts, rollout_ids):

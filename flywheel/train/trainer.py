@@ -50,6 +50,8 @@ import pyarrow as pa
 import torch
 
 from flywheel.config import LossName, TrainConfig
+from flywheel.kernels import fused_logprob
+from flywheel.kernels.fused_layers import patch_for_training
 from flywheel.train.data import MicroBatch, TrainSample, make_micro_batches
 from flywheel.train.losses import LossInputs, compute_loss, sft_loss
 
@@ -120,8 +122,6 @@ def gathered_head(model: Any) -> Iterator[None]:
 
 
 def _logprob_fn(impl: LogprobImpl) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
-    from flywheel.kernels import fused_logprob
-
     if impl == "fused":
         return fused_logprob.fused_logprobs
     if impl == "naive":
@@ -336,8 +336,6 @@ class Trainer:
             self.ref_model = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
         self.lean_layers: dict[str, int] = {}
         if t.lean_layers:
-            from flywheel.kernels.fused_layers import patch_for_training
-
             self.lean_layers = patch_for_training(unwrap(model))
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
