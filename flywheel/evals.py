@@ -483,10 +483,6 @@ class EvalsSummary:
     # evals (created or updated) that call a tool whose schema the trace did not record
     evals_with_tools_without_schema: int = 0
 
-    @property
-    def n_created(self) -> int:
-        return sum(self.created.values())
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "created": dict(self.created),

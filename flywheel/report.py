@@ -10,7 +10,6 @@ air-gapped machine), so it is one file you can attach to a ticket.
 from __future__ import annotations
 
 import html
-import json
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -376,7 +375,3 @@ def build_report(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, *, cy
     os.replace(tmp, path)
     return {"cycle": cid, "path": str(path), "outcome": outcome, "model": model, "traces": len(traces),
             "slices": len(srows), "curves": sorted(curves)}
-
-
-def report_json(result: dict[str, Any]) -> str:
-    return json.dumps(result, indent=2)

@@ -55,7 +55,6 @@ call could not run). Verification runs in a thread pool
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -381,14 +380,3 @@ def run_episodes(tasks: list[dict], policy: Any, params: Any, *, context: Any = 
             )
         result.append(eps)
     return result
-
-
-def episode_to_json(ep: Episode) -> dict:
-    """A JSON-serialisable view of an episode (verdict flattened)."""
-    d = dataclasses.asdict(dataclasses.replace(ep, verdict=None))
-    v = ep.verdict
-    d["verdict"] = {
-        "reward": v.reward, "passed": v.passed, "components": dict(v.components),
-        "infra_error": v.infra_error,
-    }
-    return json.loads(json.dumps(d, default=str))

@@ -34,10 +34,6 @@ SOURCES = frozenset({"openai", "otel", "bfcl", "mlflow"})
 Problem = tuple[str, str]
 
 
-def _is_str(v: Any) -> bool:
-    return type(v) is str
-
-
 def _is_num(v: Any) -> bool:
     return (type(v) is int or type(v) is float)
 
