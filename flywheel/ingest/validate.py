@@ -22,6 +22,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from flywheel.config import IngestConfig
 from flywheel.tool_registry import undeclared_names
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -256,7 +257,7 @@ class Limits:
         self.max_messages = max_messages
 
     @classmethod
-    def from_config(cls, ingest_cfg: Any) -> Limits:
+    def from_config(cls, ingest_cfg: IngestConfig) -> Limits:
         return cls(ingest_cfg.min_timestamp, ingest_cfg.max_future_days, ingest_cfg.max_messages)
 
 
