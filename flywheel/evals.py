@@ -76,7 +76,7 @@ from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore
 from flywheel.tasks import task_from_state
 from flywheel.tool_registry import SOURCES_KEY
 from flywheel.verifiers import SpecError, validate_spec
-from flywheel.versioning import version_suite
+from flywheel.versioning import version_suite, versioned_event
 from flywheel.vocab.ids import canonical_json, short_id
 from flywheel.vocab.kinds import SUITES, TOOL_CALL_KINDS
 from flywheel.vocab.messages import last_index, text_of
@@ -684,8 +684,7 @@ def build_evals(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore
                 summary.excluded_from_gate += 1
                 continue
             members.append(task_from_state(st))
-        latest = store.read(stream=f"suite:{name}", types="suite.versioned")
-        if not members and not latest:
+        if not members and versioned_event(store, "suite", "suite.versioned", name) is None:
             summary.empty_suites.append(name)  # never versioned empty: nothing to gate or train on
             continue
         entity, new = version_suite(store, artifacts, name, members, correlation_id)
