@@ -29,13 +29,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flywheel.vocab.ids import sha256_file
+
+if TYPE_CHECKING:  # annotations only: config and artifacts are independent core layers (pyproject)
+    from flywheel.config import FlywheelConfig
 
 _CHUNK = 1 << 20
 log = logging.getLogger(__name__)
@@ -302,6 +305,6 @@ def load_traces(artifacts: ArtifactStore, payloads: list[dict[str, Any]]) -> lis
     return [rows[(p["trace"]["sha256"], p["trace"]["row"])] for p in payloads]
 
 
-def open_artifacts(cfg: Any) -> ArtifactStore:
+def open_artifacts(cfg: FlywheelConfig) -> ArtifactStore:
     cfg.ensure_home()
     return ArtifactStore(cfg.artifacts_dir)

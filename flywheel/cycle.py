@@ -15,6 +15,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
+from flywheel.artifacts import ArtifactStore, open_artifacts
+from flywheel.config import FlywheelConfig
+from flywheel.policy.base import PolicyRequestError
+from flywheel.store import EventStore, StoreUnavailableError, open_store
+from flywheel.tracking import Tracker
 from flywheel.vocab.errors import InfraError
 from flywheel.vocab.ids import CACHE_KEY_HEX, canonical_json, short_id
 
@@ -23,25 +30,11 @@ def is_infra_error(exc: BaseException | None) -> bool:
     """Retry only what infrastructure causes; never a refused gate, invalid data or a bug."""
     if exc is None:
         return False
-    from flywheel.store import StoreUnavailableError
-
-    if isinstance(exc, InfraError | StoreUnavailableError | ConnectionError | TimeoutError):
+    if isinstance(exc, InfraError | StoreUnavailableError | ConnectionError | TimeoutError | httpx.TransportError):
         return True
-    try:
-        from flywheel.policy.base import PolicyRequestError
-
-        if isinstance(exc, PolicyRequestError):
-            status = getattr(exc, "status", None)
-            return status is None or status == 429 or status >= 500
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        import httpx
-
-        if isinstance(exc, httpx.TransportError):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(exc, PolicyRequestError):
+        status = getattr(exc, "status", None)
+        return status is None or status == 429 or status >= 500
     return False
 
 
@@ -51,18 +44,18 @@ def inputs_key(stage: str, **inputs: Any) -> str:
     return f"{stage}-{short_id(body, CACHE_KEY_HEX)}"
 
 
-def latest_version(store: Any, kind: str, name: str) -> str | None:
+def latest_version(store: EventStore, kind: str, name: str) -> str | None:
     """Entity id of the latest ``suite:<name>@N`` / ``env:<name>@N``, or None."""
     return store.latest_entity_id(f"{kind}:{name}@")
 
 
-def failure_watermark(store: Any) -> dict[str, int]:
+def failure_watermark(store: EventStore) -> dict[str, int]:
     """What the evals stage reads: the count and last seq of failure and trace events."""
     n, last = store.event_stats(["failure.classified", "trace.ingested"])
     return {"events": n, "last_seq": last}
 
 
-def last_completed_cycle(store: Any) -> dict[str, Any] | None:
+def last_completed_cycle(store: EventStore) -> dict[str, Any] | None:
     evs = store.read(types=["cycle.completed"], limit=1, newest_first=True)
     if not evs:
         return None
@@ -70,7 +63,7 @@ def last_completed_cycle(store: Any) -> dict[str, Any] | None:
     return {"seq": e.seq, "stream": e.stream, "payload": e.payload}
 
 
-def new_failures_since_last_cycle(store: Any) -> tuple[int, int | None]:
+def new_failures_since_last_cycle(store: EventStore) -> tuple[int, int | None]:
     """(number of ``failure.classified`` events after the last completed cycle, that cycle's seq)."""
     last = last_completed_cycle(store)
     after = last["seq"] if last else 0
@@ -84,17 +77,13 @@ class CycleResources:
     process then owns the file and serves the other flywheel processes), the artifact store and the
     MLflow tracker."""
 
-    cfg: Any
-    store: Any
-    artifacts: Any
-    tracker: Any
+    cfg: FlywheelConfig
+    store: EventStore
+    artifacts: ArtifactStore
+    tracker: Tracker
 
     @classmethod
-    def open(cls, cfg: Any) -> CycleResources:
-        from flywheel.artifacts import open_artifacts
-        from flywheel.store import open_store
-        from flywheel.tracking import Tracker
-
+    def open(cls, cfg: FlywheelConfig) -> CycleResources:
         artifacts = open_artifacts(cfg)
         artifacts.sweep_temp()  # a crashed earlier run may have left temp files, never artifacts
         return cls(cfg, open_store(cfg), artifacts, Tracker(cfg))

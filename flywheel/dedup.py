@@ -755,7 +755,7 @@ class SemanticIndex:
 
     def _load(self) -> None:
         if self._model is None:
-            from transformers import AutoModel, AutoTokenizer
+            from transformers import AutoModel, AutoTokenizer  # heavy, optional: semantic tier only
 
             d = _semantic_model_dir()
             self._tok = AutoTokenizer.from_pretrained(str(d))
@@ -763,7 +763,7 @@ class SemanticIndex:
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         self._load()
-        import torch
+        import torch  # heavy, optional: semantic tier only
 
         out = []
         for i in range(0, len(texts), self.batch_size):

@@ -68,11 +68,15 @@ from typing import Any
 
 import pyarrow as pa
 
+from flywheel.artifacts import ArtifactStore, load_traces
+from flywheel.config import FlywheelConfig
+from flywheel.contamination import contaminated_by_synthetic
 from flywheel.split import REQUEST_TEXT_VERSION, SplitIndex, request_hash, request_key
 from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore
 from flywheel.tasks import task_from_state
 from flywheel.tool_registry import SOURCES_KEY
-from flywheel.versioning import version_suite
+from flywheel.verifiers import SpecError, validate_spec
+from flywheel.versioning import version_suite, versioned_event
 from flywheel.vocab.ids import canonical_json, short_id
 from flywheel.vocab.kinds import SUITES, TOOL_CALL_KINDS
 from flywheel.vocab.messages import last_index, text_of
@@ -240,8 +244,6 @@ def _judge_rubric(messages: list[dict], bad: dict | None, feedback: dict | None,
 # --------------------------------------------------------------------------------- compiling
 def _check_spec(origin: str, spec: dict) -> None:
     """A spec the verifier library would refuse is a compile skip, not a runtime crash later."""
-    from flywheel.verifiers import SpecError, validate_spec
-
     try:
         validate_spec(spec)
     except SpecError as e:
@@ -481,10 +483,6 @@ class EvalsSummary:
     # evals (created or updated) that call a tool whose schema the trace did not record
     evals_with_tools_without_schema: int = 0
 
-    @property
-    def n_created(self) -> int:
-        return sum(self.created.values())
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "created": dict(self.created),
@@ -510,7 +508,7 @@ def _successful_traces(store: EventStore) -> list[tuple[str, dict]]:
     return store.trace_states("success")
 
 
-def _full_traces(artifacts: Any, states: list[dict]) -> list[dict]:
+def _full_traces(artifacts: ArtifactStore, states: list[dict]) -> list[dict]:
     """The full trace records behind ``trace.ingested`` states.
 
     Ingest keeps the redacted trace in a per-batch Parquet artifact and only a reference
@@ -520,14 +518,12 @@ def _full_traces(artifacts: Any, states: list[dict]) -> list[dict]:
     refs = [i for i, st in enumerate(states) if isinstance(st.get("trace"), dict) and "sha256" in st["trace"]]
     out = list(states)
     if refs:
-        from flywheel.artifacts import load_traces
-
         for i, full in zip(refs, load_traces(artifacts, [states[i] for i in refs]), strict=True):
             out[i] = {**full, "source": full.get("source") or states[i].get("source")}
     return out
 
 
-def _trace_entity(store: EventStore, artifacts: Any, trace_id: str) -> dict | None:
+def _trace_entity(store: EventStore, artifacts: ArtifactStore, trace_id: str) -> dict | None:
     ent = store.entity(with_prefix("trace", trace_id))
     if ent is None:
         return None
@@ -538,7 +534,8 @@ def _reason_kind(reason: str) -> str:
     return reason.split(": ", 1)[1] if ": " in reason else reason
 
 
-def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: str | None = None) -> EvalsSummary:
+def build_evals(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, *,
+                correlation_id: str | None = None) -> EvalsSummary:
     """Compile every failure and successful trace into evals, split them, version the suites.
 
     Idempotent: the same inputs append no event (see the module docstring for all guarantees).
@@ -647,8 +644,6 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
     # on that batch have seen it (synthetic variants are not in the split index).
     fresh_heldout = [task_from_state(existing[t]) for t in placed_now if existing[t].get("split") == "heldout"]
     if fresh_heldout:
-        from flywheel.contamination import contaminated_by_synthetic
-
         for tid, synth_id in contaminated_by_synthetic(store, artifacts, fresh_heldout, cfg.synth).items():
             st = existing[tid]
             cluster = f"x-{st['metadata']['request_hash'][:16]}"
@@ -689,8 +684,7 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
                 summary.excluded_from_gate += 1
                 continue
             members.append(task_from_state(st))
-        latest = store.read(stream=f"suite:{name}", types="suite.versioned")
-        if not members and not latest:
+        if not members and versioned_event(store, "suite", "suite.versioned", name) is None:
             summary.empty_suites.append(name)  # never versioned empty: nothing to gate or train on
             continue
         entity, new = version_suite(store, artifacts, name, members, correlation_id)
@@ -705,7 +699,7 @@ def build_evals(cfg: Any, store: EventStore, artifacts: Any, *, correlation_id: 
     return summary
 
 
-def _heldout_warnings(cfg: Any, summary: EvalsSummary, states: dict[str, dict]) -> list[str]:
+def _heldout_warnings(cfg: FlywheelConfig, summary: EvalsSummary, states: dict[str, dict]) -> list[str]:
     """Say, before any training is spent, when the held-out suite cannot decide a gate, and why."""
     need = cfg.gate.min_paired_items
     have = summary.heldout.get("items", 0)

@@ -10,7 +10,11 @@ renders trees, JSON and Mermaid.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: lineage stays importable without the store's DuckDB/pyarrow
+    from flywheel.store import EventStore
+    from flywheel.tracking import Tracker
 
 KIND_ORDER = ["model", "gate", "run", "rollouts", "env", "synth", "suite", "eval", "failure", "trace"]
 
@@ -32,7 +36,7 @@ class Node:
                 "children": [c.to_dict() for c in self.children]}
 
 
-def resolve_ref(store: Any, tracker: Any | None, ref: str, model_name: str = "policy") -> str:
+def resolve_ref(store: EventStore, tracker: Tracker | None, ref: str, model_name: str = "policy") -> str:
     """``champion``/``challenger`` (MLflow aliases), ``policy/7``, ``model:policy/7``, or any entity id."""
     if ref in ("champion", "challenger"):
         if tracker is None:
@@ -86,7 +90,7 @@ def _label(eid: str, f: dict[str, Any]) -> str:
     return eid + (f"  ({', '.join(bits)})" if bits else "")
 
 
-def tree(store: Any, root: str, *, max_depth: int = 64, max_children: int | None = None) -> Node:
+def tree(store: EventStore, root: str, *, max_depth: int = 64, max_children: int | None = None) -> Node:
     """The causal tree below ``root`` (each entity expanded once; later references are leaves)."""
     edges = store.lineage_edges(root, max_depth)
     parents: dict[str, list[str]] = {}
@@ -111,7 +115,7 @@ def tree(store: Any, root: str, *, max_depth: int = 64, max_children: int | None
     return build(root)
 
 
-def traces_of(store: Any, root: str) -> list[dict[str, Any]]:
+def traces_of(store: EventStore, root: str) -> list[dict[str, Any]]:
     """Production traces a model (or any entity) descends from, with timestamps and failure kinds."""
     out = []
     failure_kinds: dict[str, list[str]] = {}
@@ -129,7 +133,7 @@ def traces_of(store: Any, root: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: (str(r["timestamp"]), r["trace"]))
 
 
-def impact(store: Any, root: str) -> dict[str, list[str]]:
+def impact(store: EventStore, root: str) -> dict[str, list[str]]:
     """Everything that descends from ``root``, grouped by kind (evals, datasets, models, gates, ...)."""
     out: dict[str, list[str]] = {}
     for e, _ in store.lineage(root, "up"):
@@ -168,7 +172,7 @@ def render_tree(node: Node) -> Any:
     return root
 
 
-def mermaid(store: Any, root: str, *, max_depth: int = 64) -> str:
+def mermaid(store: EventStore, root: str, *, max_depth: int = 64) -> str:
     """A Mermaid ``graph TD`` of the causal subgraph (for docs and reports)."""
     edges = store.lineage_edges(root, max_depth)
     ids: dict[str, str] = {}

@@ -86,7 +86,10 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: the redactor itself needs nothing from the config module
+    from flywheel.config import IngestConfig
 
 REPLACEMENT = "[REDACTED:{name}]"
 
@@ -385,7 +388,7 @@ class Redactor:
         self._gated = [r for r in self.rules if r.needs]
 
     @classmethod
-    def from_config(cls, ingest_cfg: Any) -> Redactor:
+    def from_config(cls, ingest_cfg: IngestConfig) -> Redactor:
         return cls(
             ingest_cfg.redaction_builtin,
             [(r.name, r.pattern) for r in ingest_cfg.redaction_rules],

@@ -10,14 +10,18 @@ air-gapped machine), so it is one file you can attach to a ticket.
 from __future__ import annotations
 
 import html
-import json
 import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from flywheel.artifacts import ArtifactStore, load_traces, open_artifacts
+from flywheel.config import FlywheelConfig
 from flywheel.cycle import sandbox_warning
+from flywheel.lineage import traces_of
 from flywheel.stats import wilson
+from flywheel.store import EventStore
+from flywheel.tracking import Tracker
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"]
 
@@ -172,7 +176,7 @@ def svg_lineage(edges: list[tuple[str, str]], root: str, *, width: int = 1100, m
 # ------------------------------------------------------------------------------------------ data
 
 
-def _cycle_event(store: Any, cycle: str | None) -> tuple[str, dict[str, Any], Any]:
+def _cycle_event(store: EventStore, cycle: str | None) -> tuple[str, dict[str, Any], Any]:
     if cycle:
         cid = cycle if cycle.startswith("cycle:") else f"cycle:{cycle}"
         evs = store.read(stream=cid, types=["cycle.completed"])
@@ -185,7 +189,7 @@ def _cycle_event(store: Any, cycle: str | None) -> tuple[str, dict[str, Any], An
     return evs[0].stream, evs[0].payload, evs[0]
 
 
-def failure_kinds_over_time(store: Any) -> tuple[list[str], dict[str, list[float]]]:
+def failure_kinds_over_time(store: EventStore) -> tuple[list[str], dict[str, list[float]]]:
     rows = store.failure_kinds_by_day()
     days = sorted({r[0] for r in rows if r[0]})
     kinds = sorted({r[1] for r in rows})
@@ -196,12 +200,10 @@ def failure_kinds_over_time(store: Any) -> tuple[list[str], dict[str, list[float
     return days, series
 
 
-def trace_facts(artifacts: Any, store: Any, traces: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+def trace_facts(artifacts: ArtifactStore, store: EventStore, traces: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     """Per trace entity: the facts its telemetry recorded (source, model, token usage, finish reasons,
     response id; see :mod:`flywheel.ingest.otlp`), read from the trace artifacts. A trace whose
     artifact cannot be read gets no facts (the report still renders)."""
-    from flywheel.artifacts import load_traces
-
     states = [(t["trace"], (store.entity(t["trace"]) or {}).get("state") or {}) for t in traces]
     states = [(e, st) for e, st in states if isinstance(st.get("trace"), dict)]
     try:
@@ -222,7 +224,7 @@ def trace_facts(artifacts: Any, store: Any, traces: list[dict[str, Any]]) -> dic
     return out
 
 
-def training_curves(tracker: Any, runs: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+def training_curves(tracker: Tracker, runs: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {}
     for r in runs:
         rid = r.get("mlflow_run_id")
@@ -277,10 +279,8 @@ th{background:#f4f6fa}.pass{color:#1a7f37;font-weight:bold}.fail{color:#c62828;f
 """
 
 
-def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None) -> dict[str, Any]:
+def build_report(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, *, cycle: str | None = None) -> dict[str, Any]:
     """Render the report of ``cycle`` (default: the last completed one). Returns path and key facts."""
-    from flywheel.lineage import traces_of
-
     cid, payload, ev = _cycle_event(store, cycle)
     stages = payload.get("stages") or {}
     gate = stages.get("gate") or {}
@@ -343,8 +343,6 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
             ci += "<p>Challenger vs champion: " + esc("; ".join(parts)) + ".</p>"
     gate_outcome = (gate.get("outcome") or ("passed" if gate.get("passed") else "refused")) if gate else "not run"
     gate_class = {"passed": "pass", "refused": "fail"}.get(gate_outcome, "muted")
-    from flywheel.artifacts import open_artifacts
-
     facts = trace_facts(open_artifacts(cfg), store, traces[:40])
     trace_rows = "".join(
         f"<tr><td><code>{esc(t['trace'])}</code></td><td>{esc(t['timestamp'])}</td>"
@@ -377,7 +375,3 @@ def build_report(cfg: Any, store: Any, tracker: Any, *, cycle: str | None = None
     os.replace(tmp, path)
     return {"cycle": cid, "path": str(path), "outcome": outcome, "model": model, "traces": len(traces),
             "slices": len(srows), "curves": sorted(curves)}
-
-
-def report_json(result: dict[str, Any]) -> str:
-    return json.dumps(result, indent=2)

@@ -38,6 +38,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.artifacts import ArtifactStore
+from flywheel.config import FlywheelConfig
 from flywheel.store import EventStore
 from flywheel.versioning import latest_versions, load_env, load_suite, version_env
 
@@ -68,7 +70,7 @@ def list_envs(store: EventStore) -> list[dict]:
     return latest_versions(store, "env")
 
 
-def _synth_carry(store: EventStore, artifacts: Any, name: str) -> tuple[list[dict], list[str]]:
+def _synth_carry(store: EventStore, artifacts: ArtifactStore, name: str) -> tuple[list[dict], list[str]]:
     try:
         env = load_env(store, artifacts, name)
     except LookupError:
@@ -78,9 +80,9 @@ def _synth_carry(store: EventStore, artifacts: Any, name: str) -> tuple[list[dic
 
 
 def build_envs(
-    cfg: Any,
+    cfg: FlywheelConfig,
     store: EventStore,
-    artifacts: Any,
+    artifacts: ArtifactStore,
     *,
     names: dict[str, tuple[str, ...]] | None = None,
     correlation_id: str | None = None,

@@ -55,13 +55,15 @@ call could not run). Verification runs in a thread pool
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.envs.tools import Observation, ToolEnv
+from flywheel.policy.base import coerce_params
+from flywheel.policy.format import render_prompt
+from flywheel.verifiers import Verdict, VerifyContext, parse_tool_calls, verify
 
 _SENTINEL = "\ue000flywheel-turn-boundary\ue001"
 DEFAULT_MAX_TURNS = 4
@@ -145,16 +147,12 @@ def _sandbox_cfg(context: Any) -> Any:
 
 # ------------------------------------------------------------------------------ verification
 def _calls_of(message: dict) -> list:
-    from flywheel.verifiers import parse_tool_calls
-
     res = parse_tool_calls(message)
     return [] if res.error else list(res.calls)
 
 
-def verify_context(context: Any) -> Any:
+def verify_context(context: Any) -> VerifyContext | None:
     """The :class:`flywheel.verifiers.VerifyContext` for ``context`` (see :func:`run_episodes`)."""
-    from flywheel.verifiers import VerifyContext
-
     if context is None or isinstance(context, VerifyContext):
         return context
     vc = _ctx_get(context, "verify_context")
@@ -166,10 +164,8 @@ def verify_context(context: Any) -> Any:
     return VerifyContext(sandbox=cfg.sandbox, judge=cfg.judge)
 
 
-def verify_task(task: dict, trajectory: list[dict], context: Any = None) -> Any:
+def verify_task(task: dict, trajectory: list[dict], context: Any = None) -> Verdict:
     """Score ``trajectory`` (the whole conversation, prompt included) for ``task``; a ``Verdict``."""
-    from flywheel.verifiers import verify
-
     spec = task["verifier"]
     env = task.get("tool_env") or {}
     traj = trajectory
@@ -204,8 +200,6 @@ def verify_task(task: dict, trajectory: list[dict], context: Any = None) -> Any:
 def _env_segment(tokenizer: Any, history: list[dict], tools: list[dict], tool_msgs: list[dict],
                  last_model_id: int | None) -> str:
     """Template text between the end of the model's turn and the start of its next one."""
-    from flywheel.policy.format import render_prompt
-
     msgs = [*history[:-1], {"role": "assistant", "content": _SENTINEL}, *tool_msgs]
     full = render_prompt(tokenizer, msgs, tools)
     at = full.rfind(_SENTINEL)
@@ -239,8 +233,6 @@ def _step_env(st: _State, sample: Any, max_turns: int, tokenizer: Any, ctx_limit
     if sample.truncated or sample.finish_reason == "length":
         st.finish_reason, st.truncated, st.done = "length", True, True
         return
-    from flywheel.verifiers import parse_tool_calls
-
     parsed = parse_tool_calls(sample.text)
     if parsed.error or not parsed.calls:
         st.finish_reason, st.done = "stop", True
@@ -290,8 +282,6 @@ def run_episodes(tasks: list[dict], policy: Any, params: Any, *, context: Any = 
     (a FlywheelConfig: sandbox limits, judge, ``rollout.max_turns``), ``verify_context``,
     ``max_turns``, ``verify_workers``. The verifiers get a ``VerifyContext`` built from it.
     """
-    from flywheel.policy.base import coerce_params
-
     params = coerce_params(params)
     if not tasks:
         return []
@@ -390,14 +380,3 @@ def run_episodes(tasks: list[dict], policy: Any, params: Any, *, context: Any = 
             )
         result.append(eps)
     return result
-
-
-def episode_to_json(ep: Episode) -> dict:
-    """A JSON-serialisable view of an episode (verdict flattened)."""
-    d = dataclasses.asdict(dataclasses.replace(ep, verdict=None))
-    v = ep.verdict
-    d["verdict"] = {
-        "reward": v.reward, "passed": v.passed, "components": dict(v.components),
-        "infra_error": v.infra_error,
-    }
-    return json.loads(json.dumps(d, default=str))

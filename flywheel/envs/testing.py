@@ -19,7 +19,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import pyarrow as pa
+
 from flywheel.policy.base import Sample, coerce_params, per_prompt_tools
+from flywheel.policy.format import render_prompt
+from flywheel.store import BATCH_SCHEMA, EventStore, NewEvent, canonical_json
 from flywheel.vocab.ids import short_id
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -104,8 +108,6 @@ class ScriptedPolicy:
         )
 
     def generate(self, prompts: list[list[dict]], params: Any = None, *, tools: Any = None) -> list[list[Sample]]:
-        from flywheel.policy.format import render_prompt
-
         p = coerce_params(params)
         self.calls.append(("generate", len(prompts)))
         per_tools = per_prompt_tools(tools, len(prompts))
@@ -163,21 +165,15 @@ def failure_payload(
     }
 
 
-def append_failure(store: Any, payload: dict) -> str:
+def append_failure(store: EventStore, payload: dict) -> str:
     """Append ``failure.classified`` for ``payload`` (stream = its entity id). Returns the id."""
-    from flywheel.store import NewEvent
-
     fid = payload["entity_id"]
     store.append(fid, NewEvent("failure.classified", payload, list(payload.get("trace_ids") or [])))
     return fid
 
 
-def append_failures(store: Any, payloads: list[dict]) -> list[str]:
+def append_failures(store: EventStore, payloads: list[dict]) -> list[str]:
     """Append many ``failure.classified`` events in one transaction (fast fixtures)."""
-    import pyarrow as pa
-
-    from flywheel.store import BATCH_SCHEMA, canonical_json
-
     table = pa.table(
         {
             "stream": [p["entity_id"] for p in payloads],
@@ -191,11 +187,9 @@ def append_failures(store: Any, payloads: list[dict]) -> list[str]:
     return [p["entity_id"] for p in payloads]
 
 
-def append_success_trace(store: Any, trace_id: str, messages: list[dict], tools: list[dict],
+def append_success_trace(store: EventStore, trace_id: str, messages: list[dict], tools: list[dict],
                          *, tests: str | None = None, metadata: dict | None = None) -> str:
     """Append ``trace.ingested`` for a successful trace (``status: "success"``)."""
-    from flywheel.store import NewEvent
-
     tid = trace_id if trace_id.startswith("trace:") else f"trace:{trace_id}"
     outcome: dict[str, Any] = {"status": "success"}
     if tests:

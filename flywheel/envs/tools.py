@@ -28,6 +28,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from flywheel import sandbox
+from flywheel.config import SandboxConfig
 from flywheel.vocab.tools import tool_names
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -69,7 +71,7 @@ def _loose(v: Any) -> Any:
 class ToolEnv:
     """Answers calls for one task. Build one per task; it keeps no state between calls."""
 
-    def __init__(self, tool_env: dict | None, tools: list[dict] | None, sandbox_cfg: Any = None):
+    def __init__(self, tool_env: dict | None, tools: list[dict] | None, sandbox_cfg: SandboxConfig | None = None):
         env = tool_env or {}
         self.recorded: list[dict] = list(env.get("recorded") or [])
         self.python: str | None = env.get("python") or None
@@ -94,15 +96,13 @@ class ToolEnv:
         )
 
 
-def run_python_tool(code: str, name: str, arguments: dict, sandbox_cfg: Any = None) -> Observation:
+def run_python_tool(code: str, name: str, arguments: dict, sandbox_cfg: SandboxConfig | None = None) -> Observation:
     """Call ``name(**arguments)`` from ``code`` in a fresh sandbox; see the module docstring.
 
     The call is written as a one-test ``python_tests`` run: the implementation is the candidate
     module and the test prints the return value after a random marker (so output the implementation
     prints itself cannot be mistaken for the result).
     """
-    from flywheel.sandbox import run_python_tests
-
     if not _IDENT.match(name):
         return Observation(name, _canon({"error": f"invalid tool name {name!r}"}), "error", raised=True)
     marker = "@@flywheel-result-" + secrets.token_hex(8) + "@@"
@@ -120,7 +120,7 @@ def run_python_tool(code: str, name: str, arguments: dict, sandbox_cfg: Any = No
         "        text = json.dumps(repr(result))\n"
         f"    print({marker!r} + text + {marker!r}, flush=True)\n"
     )
-    res = run_python_tests(code, test, sandbox_cfg)
+    res = sandbox.run_python_tests(code, test, sandbox_cfg)  # looked up per call: tests replace it
     if res.infra_error:
         return Observation(name, _canon({"error": "tool sandbox unavailable"}), "error", infra_error=res.infra_error)
     if res.passed:

@@ -49,6 +49,7 @@ from typing import Any
 import orjson
 
 from flywheel.artifacts import fsync_dir
+from flywheel.net import bind
 
 _ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
 
@@ -335,8 +336,6 @@ def run(inbox: Path, *, host: str, port: int, settle_s: float, max_pending: int,
             tids = batcher.due()
             if tids:
                 batcher.flush(tids)
-
-    from flywheel.net import bind
 
     sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"

@@ -26,7 +26,10 @@ from typing import Any
 
 import orjson
 
+from flywheel.verifiers.bfcl import CATEGORIES, bfcl_answer_to_expected, load_bfcl
+from flywheel.verifiers.matching import match_tool_calls
 from flywheel.vocab.ids import short_id
+from flywheel.vocab.toolcalls import parse_tool_calls
 
 Problem = tuple[str, str]
 FORMATS = ("openai", "otel", "bfcl")
@@ -77,16 +80,12 @@ class BfclAdapter:
 
     def _item(self, bfcl_id: str, category: str) -> Any:
         if category not in self._loaded:
-            from flywheel.verifiers.bfcl import load_bfcl
-
             for it in load_bfcl(category):
                 self._items[it.id] = it
             self._loaded.add(category)
         return self._items.get(bfcl_id)
 
     def to_trace(self, obj: Any) -> tuple[dict[str, Any] | None, Problem | None]:
-        from flywheel.verifiers.bfcl import CATEGORIES, bfcl_answer_to_expected
-
         if not isinstance(obj, dict):
             return None, ("not_an_object", "a BFCL replay record must be a JSON object")
         bid, answer = obj.get("bfcl_id"), obj.get("answer")
@@ -104,9 +103,6 @@ class BfclAdapter:
         if item is None:
             return None, ("bfcl_unknown_id", f"no BFCL question {bid!r} in category {category}")
         expected = bfcl_answer_to_expected(item.possible_answer)
-        from flywheel.verifiers.matching import match_tool_calls
-        from flywheel.vocab.toolcalls import parse_tool_calls
-
         parsed = parse_tool_calls(answer)
         assistant: dict[str, Any] = {"role": "assistant", "content": answer}
         if parsed.calls:

@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
+from flywheel.artifacts import ArtifactStore
 from flywheel.config import FlywheelConfig
 from flywheel.ingest.pipeline import IngestError, IngestSummary, ProgressFn, _Committer
 from flywheel.ingest.prepare import Preparer
@@ -100,7 +101,7 @@ def _chunks(traces: Iterator[dict[str, Any]], size: int) -> Iterator[list[dict[s
 def ingest_mlflow(
     cfg: FlywheelConfig,
     store: EventStore,
-    artifacts: Any,
+    artifacts: ArtifactStore,
     tracker: Tracker,
     experiment: str,
     *,

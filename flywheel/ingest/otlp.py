@@ -89,6 +89,7 @@ from typing import Any
 
 import orjson
 
+from flywheel.ingest.formats import parse_json
 from flywheel.ingest.reader import iter_lines, open_binary
 from flywheel.tool_registry import normalise_tool
 from flywheel.vocab.messages import json_text, text_of
@@ -839,8 +840,6 @@ class LogIndex:
 
     @classmethod
     def load(cls, paths: Sequence[Path], max_line_bytes: int) -> LogIndex:
-        from flywheel.ingest.formats import parse_json
-
         idx = cls()
         for p in paths:
             with open_binary(p) as stream:

@@ -69,12 +69,15 @@ import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from flywheel.artifacts import ArtifactStore
 from flywheel.classify import FAILURE_KINDS
+from flywheel.config import FlywheelConfig
 from flywheel.ingest import formats, otlp
 from flywheel.ingest.prepare import PREPARED_SCHEMA, Batch, Preparer
 from flywheel.ingest.reader import Line, iter_lines, open_binary, open_source, position
 from flywheel.ingest.worker import ParallelBatches
-from flywheel.store import BATCH_SCHEMA, ConcurrencyError
+from flywheel.schemas.gx_suites import prewarm_traces_batch, validate_traces_batch
+from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore
 from flywheel.tool_registry import ToolRegistryError, load_registry
 from flywheel.vocab.ids import canonical_json, sha256_file
 
@@ -240,7 +243,8 @@ def _record_bytes(x: Any) -> bytes:
 class _Committer:
     """Commits prepared batches (main thread: the only one touching the store)."""
 
-    def __init__(self, cfg: Any, store: Any, artifacts: Any, summary: IngestSummary, correlation_id: str | None):
+    def __init__(self, cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, summary: IngestSummary,
+                 correlation_id: str | None):
         self.cfg, self.store, self.artifacts, self.summary = cfg, store, artifacts, summary
         self.correlation_id = correlation_id
         self._suite = None
@@ -254,8 +258,6 @@ class _Committer:
         self._failure_states: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
 
     def gx(self, b: Batch, kept: pa.Table) -> None:
-        from flywheel.schemas.gx_suites import validate_traces_batch
-
         if not kept.num_rows:
             return
         df = kept.select(["trace_id", "timestamp_epoch", "n_messages", "roles", "status", "source"]).to_pandas()
@@ -447,9 +449,9 @@ ProgressFn = Callable[[dict[str, Any]], None]
 
 
 def ingest_paths(
-    cfg: Any,
-    store: Any,
-    artifacts: Any,
+    cfg: FlywheelConfig,
+    store: EventStore,
+    artifacts: ArtifactStore,
     paths: list[Path],
     *,
     fmt: str = "auto",
@@ -500,7 +502,7 @@ def document_lines(doc: bytes) -> Iterator[Line]:
     return iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])
 
 
-def plan_otlp(cfg: Any, files: list[Path], fmt: str) -> dict[Path, list[Path]]:
+def plan_otlp(cfg: FlywheelConfig, files: list[Path], fmt: str) -> dict[Path, list[Path]]:
     """Check the tool registry, and pair OTLP span and log-record files (:func:`otlp.plan_files`):
     raises :class:`IngestError` before anything is read when either cannot be used."""
     try:
@@ -516,7 +518,7 @@ def plan_otlp(cfg: Any, files: list[Path], fmt: str) -> dict[Path, list[Path]]:
         raise IngestError(str(e)) from None
 
 
-def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress: ProgressFn | None,
+def _ingest_file(cfg: FlywheelConfig, committer: _Committer, path: Path, fmt: str, progress: ProgressFn | None,
                  companions: list[Path] | None = None) -> None:
     try:
         sha = sha256_file(path)
@@ -540,8 +542,6 @@ def _ingest_file(cfg: Any, committer: _Committer, path: Path, fmt: str, progress
 
     workers = cfg.ingest.workers if fmt == "openai" else min(cfg.ingest.workers, 1)
     if doc is None and size >= PROCESS_MIN_BYTES and workers:
-        from flywheel.schemas.gx_suites import prewarm_traces_batch
-
         prewarm_traces_batch(cfg.ingest)  # overlaps GX's import with the worker's first batch
         with ParallelBatches(cfg.ingest, fmt, path, path.name, sha, size, workers,
                              otel_companions=companions or []) as children:

@@ -42,6 +42,7 @@ import orjson
 import pyarrow as pa
 
 from flywheel.classify import classify, failure_identity
+from flywheel.config import IngestConfig
 from flywheel.ingest import formats
 from flywheel.ingest.mlflow_traces import mlflow_to_trace
 from flywheel.ingest.otlp import Assembler
@@ -220,7 +221,7 @@ class Preparer:
     """Turns lines into prepared batches. Holds no store state (it runs off the main thread, or in
     the worker process)."""
 
-    def __init__(self, icfg: Any, fmt: str, file_name: str, file_sha: str, *, path: Path | None = None,
+    def __init__(self, icfg: IngestConfig, fmt: str, file_name: str, file_sha: str, *, path: Path | None = None,
                  otel_companions: Sequence[Path] = ()):
         # ``path``: the file the lines come from (OTLP files are scanned once for where each trace
         # ends; None for a single JSON document). ``otel_companions``: see flywheel.ingest.otlp.plan_files.

@@ -15,12 +15,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from flywheel.ingest.pipeline import IngestSummary, _Committer
+from flywheel.artifacts import ArtifactStore
+from flywheel.config import FlywheelConfig
+from flywheel.ingest.pipeline import IngestSummary, ProgressFn, _Committer
 from flywheel.ingest.prepare import Preparer
 from flywheel.ingest.reader import Line
+from flywheel.store import EventStore, NewEvent
 
 
-def list_quarantine(store: Any) -> list[dict[str, Any]]:
+def list_quarantine(store: EventStore) -> list[dict[str, Any]]:
     """One row per quarantine batch: stream, file, counts by reason, remaining."""
     out = []
     for e in store.entities("quarantine"):
@@ -33,7 +36,7 @@ def list_quarantine(store: Any) -> list[dict[str, Any]]:
     return out
 
 
-def show_quarantine(store: Any, artifacts: Any, stream: str, *, limit: int | None = None) -> list[dict[str, Any]]:
+def show_quarantine(store: EventStore, artifacts: ArtifactStore, stream: str, *, limit: int | None = None) -> list[dict[str, Any]]:
     """The quarantined records of one batch (``quarantine:…``; a unique prefix of it is accepted)."""
     if not stream.startswith("quarantine:"):
         stream = "quarantine:" + stream
@@ -51,8 +54,8 @@ def show_quarantine(store: Any, artifacts: Any, stream: str, *, limit: int | Non
     return rows[:limit] if limit else rows
 
 
-def replay_quarantine(cfg: Any, store: Any, artifacts: Any, *, correlation_id: str | None = None,
-                      progress: Any = None) -> IngestSummary:
+def replay_quarantine(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, *,
+                      correlation_id: str | None = None, progress: ProgressFn | None = None) -> IngestSummary:
     t0 = time.perf_counter()
     summary = IngestSummary()
     committer = _Committer(cfg, store, artifacts, summary, correlation_id)
@@ -79,8 +82,6 @@ def replay_quarantine(cfg: Any, store: Any, artifacts: Any, *, correlation_id: s
         if progress:
             progress({"file": ent["entity_id"], "records": len(rows), "bytes_done": 0, "bytes_total": 0})
         if newly:
-            from flywheel.store import NewEvent
-
             payload = dict(st)
             payload["resolved_lines"] = sorted(resolved | newly)
             payload["remaining"] = int(st.get("records", 0)) - len(payload["resolved_lines"])

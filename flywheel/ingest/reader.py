@@ -29,11 +29,6 @@ class Line:
     error: str | None = None  # set on the final item when the file was cut short or corrupt
 
 
-def is_gzip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == GZIP_MAGIC
-
-
 def open_source(path: Path) -> tuple[BinaryIO, BinaryIO]:
     """``(decompressed stream, underlying file)``: gzip is detected by its magic bytes, not the suffix.
     The underlying file's ``tell()`` is the progress through the bytes on disk. Close both."""

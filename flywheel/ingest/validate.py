@@ -22,6 +22,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from flywheel.config import IngestConfig
 from flywheel.tool_registry import undeclared_names
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -32,10 +33,6 @@ _REQUIRED = ("trace_id", "timestamp", "model", "messages", "outcome")
 SOURCES = frozenset({"openai", "otel", "bfcl", "mlflow"})
 
 Problem = tuple[str, str]
-
-
-def _is_str(v: Any) -> bool:
-    return type(v) is str
 
 
 def _is_num(v: Any) -> bool:
@@ -260,7 +257,7 @@ class Limits:
         self.max_messages = max_messages
 
     @classmethod
-    def from_config(cls, ingest_cfg: Any) -> Limits:
+    def from_config(cls, ingest_cfg: IngestConfig) -> Limits:
         return cls(ingest_cfg.min_timestamp, ingest_cfg.max_future_days, ingest_cfg.max_messages)
 
 

@@ -38,7 +38,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from flywheel.ingest.prepare import Batch, PrepStats
+import flywheel
+from flywheel.config import IngestConfig
+from flywheel.ingest.prepare import Batch, Preparer, PrepStats
+from flywheel.ingest.reader import iter_lines, open_source, position
 
 _BOOT = "import sys; sys.path.insert(0, sys.argv[1]); from flywheel.ingest.worker import main; main()"
 
@@ -69,10 +72,6 @@ def main() -> None:
 
 
 def _run(job: dict[str, Any], out: BinaryIO) -> None:
-    from flywheel.config import IngestConfig
-    from flywheel.ingest.prepare import Preparer
-    from flywheel.ingest.reader import iter_lines, open_source, position
-
     # This process only prepares batches: its long-lived objects are the imported modules, and each
     # batch allocates ~10^6 short-lived dicts and lists that reference counting frees. Freezing the
     # imports out of the collector's view and collecting young objects less often saves ~6% of the
@@ -101,13 +100,11 @@ class ProcessBatches:
     """Parent side: iterate the batches a child prepares from ``path``; :attr:`stats` is set once the
     child reports the end of the file. Use as a context manager (the child is killed on exit)."""
 
-    def __init__(self, icfg: Any, fmt: str, path: Path, name: str, sha: str, size: int, *, stride: int = 1,
+    def __init__(self, icfg: IngestConfig, fmt: str, path: Path, name: str, sha: str, size: int, *, stride: int = 1,
                  offset: int = 0, otel_companions: list[Path] | None = None):
         self.path = path
         self.stats: PrepStats | None = None
         self._err = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
-        import flywheel
-
         root = str(Path(flywheel.__file__).resolve().parent.parent)
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _BOOT, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
@@ -176,7 +173,7 @@ class ParallelBatches:
     order, so the commit sees exactly the single-worker sequence. Each child is at most one batch
     ahead (its pipe), so at most ``workers`` batches are in flight beyond the one being committed."""
 
-    def __init__(self, icfg: Any, fmt: str, path: Path, name: str, sha: str, size: int, workers: int, *,
+    def __init__(self, icfg: IngestConfig, fmt: str, path: Path, name: str, sha: str, size: int, workers: int, *,
                  otel_companions: list[Path] | None = None):
         self.children: list[ProcessBatches] = []
         try:
