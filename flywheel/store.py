@@ -492,6 +492,7 @@ class EventStore:
     def __new__(cls, location: Any = None, *args: Any, **kw: Any) -> EventStore:
         if cls is EventStore:
             if is_postgres_url(location):
+                # only in team mode (psycopg); store_postgres imports store
                 from flywheel.store_postgres import PostgresEventStore
 
                 cls = PostgresEventStore
@@ -650,6 +651,7 @@ class DuckDBEventStore(EventStore):
     def _attach(self, deadline: float) -> None:
         """Open the file, or connect to the flywheel process that holds it; wait (bounded) for a holder
         that serves nobody or for an owner that is still starting."""
+        # store_share imports store: at module level this would be a cycle
         from flywheel.store_share import Client, socket_path
 
         sock = socket_path(self.path)
@@ -697,6 +699,7 @@ class DuckDBEventStore(EventStore):
             with self._lock:  # another process may have appended while this one did not hold the file
                 self._index.reset()
             if self._serve:
+                # store_share imports store: at module level this would be a cycle
                 from flywheel.store_share import Owner
 
                 self._share = Owner.register(self.path)
@@ -760,6 +763,7 @@ class DuckDBEventStore(EventStore):
 
     def _call_remote(self, fn: Any) -> Any:
         """Run ``fn(client)`` against the owner; on a lost owner, re-attach and retry (bounded)."""
+        # store_share imports store: at module level this would be a cycle
         from flywheel.store_share import OwnerGone
 
         deadline = time.monotonic() + self.open_timeout_s

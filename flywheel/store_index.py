@@ -166,6 +166,7 @@ class HeadIndex:
         return self.head
 
     def _catch_up(self, con: duckdb.DuckDBPyConnection, after: int) -> None:
+        # store imports store_index: at module level this would be a cycle
         from flywheel.store import _ENTITY_SQL, _NODE_SQL
 
         where = f"WHERE seq > {int(after)}"

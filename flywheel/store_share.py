@@ -129,6 +129,7 @@ def _error_header(e: BaseException) -> dict[str, Any]:
 
 
 def _raise_error(err: dict[str, Any]) -> None:
+    # events imports the store family: at module level this would be a cycle
     from flywheel import events
 
     name, msg = err.get("type", "StoreError"), err.get("message", "")
