@@ -19,19 +19,16 @@ from __future__ import annotations
 from flywheel.verifiers import answers, composite, execution, judge  # noqa: F401
 from flywheel.verifiers.registry import (
     KINDS,
-    InfraError,
-    ParseResult,
     SpecError,
-    ToolCall,
     Verdict,
     VerifyContext,
-    answer_message,
-    format_tool_calls,
-    parse_tool_calls,
     register_verifier,
     validate_spec,
     verify,
 )
+from flywheel.vocab.errors import InfraError
+from flywheel.vocab.messages import answer_message
+from flywheel.vocab.toolcalls import ParseResult, ToolCall, format_tool_calls, parse_tool_calls
 
 __all__ = [
     "Verdict",

@@ -76,32 +76,12 @@ from typing import TYPE_CHECKING, Any
 
 from flywheel.config import JudgeConfig, SandboxConfig
 from flywheel.vocab.errors import InfraError
-from flywheel.vocab.messages import answer_message
-from flywheel.vocab.toolcalls import (
-    ParseResult,
-    ToolCall,
-    format_tool_calls,
-    parse_tool_calls,
-)
 
 if TYPE_CHECKING:
     import httpx
 
-__all__ = [
-    "Verdict",
-    "VerifyContext",
-    "verify",
-    "validate_spec",
-    "register_verifier",
-    "InfraError",
-    "SpecError",
-    "ToolCall",
-    "ParseResult",
-    "parse_tool_calls",
-    "format_tool_calls",
-    "answer_message",
-    "KINDS",
-]
+# The package (flywheel.verifiers) re-exports these with the vocabulary names verifiers work with.
+__all__ = ["KINDS", "SpecError", "Verdict", "VerifyContext", "register_verifier", "validate_spec", "verify"]
 
 
 class SpecError(ValueError):

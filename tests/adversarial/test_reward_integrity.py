@@ -21,6 +21,7 @@ import textwrap
 import threading
 
 import pytest
+from fixtures.http_json import send_json
 
 from flywheel.config import JudgeConfig, SandboxConfig
 from flywheel.sandbox import isolation_mode, run_python_tests, run_shell
@@ -280,12 +281,7 @@ class _Judge(http.server.BaseHTTPRequestHandler):
         reply = "SCORE: 0.1"
         if "SAY:" in user:
             reply = user.split("SAY:", 1)[1].split("\n", 1)[0].strip()
-        payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_json(self, 200, {"choices": [{"message": {"role": "assistant", "content": reply}}]})
 
     def log_message(self, *a):
         pass

@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 import torch
+from fixtures.http_json import send_json
 
 from flywheel.policy import openai_http
 from flywheel.policy.base import PolicyRequestError, Sample, SamplingParams
@@ -275,12 +276,7 @@ class _Flaky(BaseHTTPRequestHandler):
         if status == 200:
             body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
                                  "finish_reason": "stop", "logprobs": None}]}
-        raw = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
+        send_json(self, status, body)
 
     def log_message(self, *args):
         pass

@@ -4,12 +4,12 @@ HTTP backend and the llm_judge verifier), against a real HTTP server on 127.0.0.
 from __future__ import annotations
 
 import http.server
-import json
 import socket
 import threading
 
 import httpx
 import pytest
+from fixtures.http_json import send_json
 
 from flywheel.net import (
     CHAT_COMPLETIONS_PATH,
@@ -29,14 +29,7 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
         type(self).calls.append(self.path)
         status, headers = type(self).script.pop(0) if type(self).script else (200, {})
         body = {"choices": []} if status == 200 else {"error": {"message": f"busy ({status})"}}
-        raw = json.dumps(body).encode()
-        self.send_response(status)
-        for k, v in headers.items():
-            self.send_header(k, v)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
+        send_json(self, status, body, headers)
 
     def log_message(self, *args):
         pass

@@ -8,6 +8,7 @@ import socket
 import threading
 
 import pytest
+from fixtures.http_json import send_json
 
 from flywheel.config import JudgeConfig, SandboxConfig
 from flywheel.sandbox import isolation_mode
@@ -181,12 +182,7 @@ class _Judge(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append(body)
         status = type(self).script.pop(0) if type(self).script else type(self).status
-        payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": type(self).reply}}]}).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_json(self, status, {"choices": [{"message": {"role": "assistant", "content": type(self).reply}}]})
 
     def log_message(self, *a):
         pass
