@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import http.server
 import socket
-import threading
 
 import httpx
 import pytest
-from fixtures.http_json import send_json
+from fixtures.http_json import send_json, serving
 
 from flywheel.net import (
     CHAT_COMPLETIONS_PATH,
@@ -38,12 +37,8 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     handler = type("S", (_Scripted,), {"script": [], "calls": []})
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield handler, f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serving(handler) as url:
+        yield handler, url
 
 
 def test_retries_429_and_5xx_honouring_retry_after(server):

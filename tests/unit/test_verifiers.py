@@ -5,10 +5,9 @@ from __future__ import annotations
 import http.server
 import json
 import socket
-import threading
 
 import pytest
-from fixtures.http_json import send_json
+from fixtures.http_json import send_json, serving
 
 from flywheel.config import JudgeConfig, SandboxConfig
 from flywheel.sandbox import isolation_mode
@@ -193,12 +192,8 @@ def judge_server(monkeypatch):
     # retries back off 0.5 s * 2^attempt by default; these tests are about which requests are retried
     monkeypatch.setattr("flywheel.net.BACKOFF_BASE_S", 0.001, raising=False)
     handler = type("J", (_Judge,), {"status": 200, "reply": "SCORE: 0.9", "seen": [], "script": []})
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    yield handler, f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serving(handler) as url:
+        yield handler, url
 
 
 def _judge_ctx(url):
