@@ -39,6 +39,7 @@ enforces strictly (types, required, enums). A content answer that had to be JSON
 The stage that runs the compiler over the store and versions the suites is
 :mod:`flywheel.evals.stage`.
 """
+
 from __future__ import annotations
 
 import json
