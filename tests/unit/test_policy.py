@@ -279,7 +279,8 @@ def test_fast_dtype_is_bf16_only_where_the_device_computes_it_natively(monkeypat
 
 def test_a_bf16_cpu_policy_with_fp32_lora_generates_and_trains(tiny_home, tmp_path):
     """The cpu demo profile's dtype ("fast" -> bf16 on this CPU): bf16 base weights, float32 LoRA
-    adapters (peft up-casts them), a finite SFT step and a generation with finite logprobs."""
+    adapters trained under bf16 autocast, a finite SFT step, the adapter loaded back in bf16, and a
+    generation with finite logprobs."""
     from flywheel.policy.models import TINY, load_model
     from flywheel.train.data import TrainSample
     from flywheel.config import TrainConfig
@@ -297,6 +298,33 @@ def test_a_bf16_cpu_policy_with_fp32_lora_generates_and_trains(tiny_home, tmp_pa
     metrics = trainer.step([sample, sample])
     assert math.isfinite(metrics.loss) and metrics.loss > 0
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, lora, strict=True))
+
+    # The adapters' matmuls run in bf16 under autocast (float32 master weights), without peft's
+    # float32 copy of each layer input; the switch is scoped to the trainer's forward.
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    tuner_layers = [m for m in trainer.policy.modules() if isinstance(m, BaseTunerLayer)]
+    assert tuner_layers
+    with trainer._autocast():
+        assert torch.is_autocast_enabled("cpu")
+        assert not any(m.cast_input_dtype_enabled for m in tuner_layers)
+    assert not torch.is_autocast_enabled("cpu")
+    assert all(m.cast_input_dtype_enabled for m in tuner_layers)
+
+    # Loaded for inference, the adapter takes the base weights' dtype (no float32 copies per layer)
+    # and computes what the trainer's bf16 forward computes, to bf16 rounding.
+    from flywheel.policy.models import attach_adapter
+
+    trainer.policy.save_pretrained(str(tmp_path / "adapter"))
+    base, _ = load_model(TINY, home=tiny_home, dtype="bfloat16")
+    served = attach_adapter(base, tmp_path / "adapter")
+    assert {p.dtype for n, p in served.named_parameters() if "lora_" in n} == {torch.bfloat16}
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        with trainer._autocast():
+            trained_logits = trainer.policy(input_ids=ids).logits.float()
+        served_logits = served(input_ids=ids).logits.float()
+    assert torch.allclose(served_logits, trained_logits, atol=0.1, rtol=0.05)
 
     policy = tiny_policy(tiny_home, dtype="bfloat16")
     out = policy.generate([[{"role": "user", "content": "hello"}]], SamplingParams(n=2, max_new_tokens=6, seed=1))
