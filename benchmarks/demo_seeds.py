@@ -6,7 +6,7 @@ with `synth.seed`, `rollout.seed` and `train.seed` set to the seed, exactly as `
 does. Printed per seed: the challenger's held-out pass rate against the base model's, the gate's
 outcome with its p-value, and the wall time. A refused run is reported like any other.
 
-    .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 2 3 4       # ~10 min per seed on 2 idle cores
+    .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 2 3 4       # ~5 min per seed on 2 idle cores
     .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 --json
 
 Measured figures: the README's quick start and benchmarks/README.md.
