@@ -301,8 +301,8 @@ def attach_adapter(model: Any, adapter: str | Path, *, name: str = "default") ->
     The adapter's weights take the base weights' dtype (``autocast_adapter_dtype=False``; peft would
     up-cast them to float32). With a bf16 base, float32 adapters cost a float32 copy of every adapted
     layer's input and float32 adds over each output: measured on this 2-core CPU, greedy answers to
-    the demo's 44 held-out items took 57 s with float32 adapters, 45 s with bf16 ones and 31 s with
-    no adapter; 1 of 44 items changed its verdict (the adapter's delta is rounded to bf16 once more).
+    the demo's 44 held-out items took 57 s with float32 adapters, 38-41 s with bf16 ones and 31 s
+    with no adapter; 1 of 44 items changed its verdict (the adapter's delta is rounded to bf16 once more).
     The trainer computes its adapters in bf16 under autocast too, so sampling and training agree.
     """
     from peft import PeftConfig, PeftModel

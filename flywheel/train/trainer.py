@@ -1,9 +1,10 @@
 """The policy trainer: GRPO-family and SFT optimizer steps over token-budget micro-batches.
 
 One :class:`Trainer` owns a model (full fine-tuning or a peft LoRA adapter), AdamW, a linear
-warm-up + cosine schedule, gradient clipping, optional gradient checkpointing, bf16 autocast (on CUDA, and on a CPU for a bf16 base model),
-and optionally a DeepSpeed engine. :meth:`Trainer.step` runs one optimizer step over a batch of
-:class:`~flywheel.train.data.TrainSample` with gradient accumulation across micro-batches; the loss
+warm-up + cosine schedule, gradient clipping, optional gradient checkpointing, bf16 autocast (on CUDA,
+and on a CPU for a bf16 base model), and optionally a DeepSpeed engine. :meth:`Trainer.step` runs one
+optimizer step over a batch of :class:`~flywheel.train.data.TrainSample` with gradient accumulation
+across micro-batches; the loss
 variant decides the normalisation (``flywheel.train.losses``), and the trainer supplies the global
 token/sequence counts (summed across data-parallel ranks) so split-invariant variants really are.
 

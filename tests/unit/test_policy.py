@@ -281,9 +281,9 @@ def test_a_bf16_cpu_policy_with_fp32_lora_generates_and_trains(tiny_home, tmp_pa
     """The cpu demo profile's dtype ("fast" -> bf16 on this CPU): bf16 base weights, float32 LoRA
     adapters trained under bf16 autocast, a finite SFT step, the adapter loaded back in bf16, and a
     generation with finite logprobs."""
+    from flywheel.config import TrainConfig
     from flywheel.policy.models import TINY, load_model
     from flywheel.train.data import TrainSample
-    from flywheel.config import TrainConfig
     from flywheel.train.trainer import Trainer, TrainerOptions
 
     model, tok = load_model(TINY, home=tiny_home, dtype="bfloat16")
