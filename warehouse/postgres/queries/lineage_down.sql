@@ -8,8 +8,11 @@
 -- Measured on model -> 35,373 ancestors of a 1M-event store (same server, round-robin):
 -- - a recursive UNION of (node, depth) rows re-expanded every node reachable along paths of different
 --   lengths and probed the index once per row (2x slower than one row per level);
--- - names looked up at the end in entity_names, one probe per ancestor: 232 ms vs 133 ms;
--- - one row per ancestor, sorted by (depth, name) on the server: +25 ms over arrays sorted per level.
+-- - the walk before migration 002 (node ids, names looked up at the end in entity_names, one row per
+--   ancestor sorted on the server): 389 ms vs 214 ms for this one (benchmarks/bench_event_store.py);
+-- - of that, one row per ancestor sorted by (depth, name) on the server instead of arrays sorted per
+--   level: ~20 ms; per-level arrays sorted by array_agg(... ORDER BY) instead of the sorted subquery:
+--   ~20 ms slower.
 WITH RECURSIVE walk(frontier, names, seen, depth) AS (
     SELECT ARRAY[%(node)s::BIGINT], ARRAY[%(name)s::TEXT] COLLATE "C", ARRAY[%(node)s::BIGINT], 0
     UNION ALL
