@@ -556,7 +556,7 @@ class PostgresEventStore(EventStore):
             )
             # Statistics for the rebuilt tables now, not when autovacuum next passes: without them the
             # planner guessed a sequential scan of lineage_links for each level of an up-walk (trace ->
-            # model on a 1M-event store straight after a bulk load: 1.2 s; with them 1 ms).
+            # model on a 1M-event store straight after a bulk load: 1.1 s; with them 0.9 ms).
             con.execute("ANALYZE events, entity_names, entity_index, lineage_links")
         return self.projection_counts()
 
