@@ -67,6 +67,24 @@ def _trace_batch(start: int, n: int, ingest: str) -> pa.Table:
     )
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) jiffies of the whole machine since boot (Linux /proc/stat; None elsewhere): what every
+    process used, the writers and a local server alike. Idle and I/O wait count as not busy."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+
+def _cores_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Average number of this machine's cores busy between two _cpu_ticks() readings."""
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * (os.cpu_count() or 1)
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -104,7 +122,10 @@ def batched(location: str, n: int, batch: int, writers: int) -> dict:
     """``writers`` processes append n/writers events each, all at once. Each one first opens the store
     and generates its batches; the clock runs from the common start (a file every writer waits for)
     to the last writer's close, so neither interpreter start-up nor the generation of the batches
-    competes with the appends being timed."""
+    competes with the appends being timed. ``cores_busy``: how many of the machine's cores were busy,
+    on average, over the same span (writers and a local server together): with one writer the client
+    and the server mostly take turns, and with four the machine's cores, not the store, can be the
+    bound."""
     from flywheel.store import EventStore
 
     EventStore(location).close()  # schema in place before the clock starts
@@ -118,16 +139,18 @@ def batched(location: str, n: int, batch: int, writers: int) -> dict:
             if any(p.poll() not in (None, 0) for p in procs):
                 raise RuntimeError("a writer failed before the start")
             time.sleep(0.01)
+        ticks = _cpu_ticks()
         (Path(d) / "go").touch()
         for p in procs:
             assert p.wait() == 0
+        cores = _cores_busy(ticks, _cpu_ticks())
         res = [json.loads(o.read_text()) for o in outs]
     wall = max(r["end"] for r in res) - min(r["start"] for r in res)
     with EventStore(location) as store:
         counts = store.projection_counts()
         assert counts["events"] == per * writers and store.check_integrity() == [], (counts, store.check_integrity())
     return {"rate": per * writers / wall, "wall_s": wall, "busy_s": max(r["append_s"] + r["close_s"] for r in res),
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in res), "counts": counts}
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in res), "counts": counts, "cores_busy": cores}
 
 
 def naive(n: int) -> float:
@@ -316,6 +339,11 @@ def _times_ms(fn, reps: int) -> list[float]:
     return times
 
 
+def _cores_text(res: dict) -> str:
+    busy = res.get("cores_busy")
+    return "" if busy is None else f"; cores busy {busy:.2f} of {os.cpu_count()}"
+
+
 def _p(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
@@ -331,11 +359,12 @@ def run_backend(backend: str, args: argparse.Namespace, n: int, reps: int) -> di
     r: dict = {}
     r["single_writer"] = batched(_fresh_location(backend, "w1"), n, args.batch, 1)
     print(f"  [{backend}] batched, 1 writer : {r['single_writer']['rate']:>10,.0f} events/s  "
-          f"({r['single_writer']['wall_s']:.2f} s incl. close; peak RSS {r['single_writer']['peak_rss_mib']:.0f} MiB)")
+          f"({r['single_writer']['wall_s']:.2f} s incl. close; peak RSS {r['single_writer']['peak_rss_mib']:.0f} MiB"
+          f"{_cores_text(r['single_writer'])})")
     r["four_writers"] = batched(_fresh_location(backend, "w4"), n, args.batch, 4)
     print(f"  [{backend}] batched, 4 writers: {r['four_writers']['rate']:>10,.0f} events/s  "
           f"(x{r['four_writers']['rate'] / r['single_writer']['rate']:.2f} one writer; {r['four_writers']['wall_s']:.2f} s "
-          f"from the common start to the last close)")
+          f"from the common start to the last close{_cores_text(r['four_writers'])})")
     single = single_appends(_fresh_location(backend, "single"), args.single)
     r["single_append_ms"] = single
     print(f"  [{backend}] store.append x1   : median {statistics.median(single):6.2f} ms, p99 {_p(single, .99):6.2f} ms "
