@@ -16,7 +16,12 @@ Same contract as the embedded store (:mod:`flywheel.store`); what differs is how
   appends commit in seq order, so seq has no gaps and a reader that saw seq n has seen every event
   before it. A writer that created one of the batch's streams, entities or names between (1) and (2)
   makes the copy fail on a unique index: the append is retried from (1), where it finds them.
-  Batches of up to :data:`flywheel.store.SMALL_APPEND` events skip COPY: one lookup and one statement.
+  Batches of up to :data:`flywheel.store.SMALL_APPEND` events skip COPY: one lookup and one statement,
+  under the lock from the start. Such an append, or a rebuild, can hold the lock and wait on the names
+  a batch copied in (1) while that batch waits on the lock: the server breaks the deadlock after its
+  ``deadlock_timeout`` (1 s by default) by aborting one of them, which is retried (nothing of it was
+  written). Transactions run READ COMMITTED whatever the server's default, so that each statement
+  sees what committed before it.
 - Lineage walks are recursive CTEs over the (child, parent) INCLUDE (parent_name) primary key, which
   gives each ancestor's name in the probe that finds it, and the (parent, child) index
   (``warehouse/postgres/queries``). Why not DuckDB attached to PostgreSQL through its ``postgres``
@@ -164,9 +169,12 @@ class PostgresEventStore(EventStore):
         self._lock = threading.RLock()
         try:
             # No JIT: the store's queries are short, and compiling the lineage walk's plan alone cost
-            # ~30 ms of a ~600 ms query on a 1M-event store (EXPLAIN ANALYZE, JIT timing).
+            # ~30 ms of a ~600 ms query on a 1M-event store (EXPLAIN ANALYZE, JIT timing). READ COMMITTED
+            # whatever the server's or role's default: each statement of an append must see what
+            # committed before it (max(seq) read once the lock is held), not a snapshot taken earlier.
             self.con = psycopg.connect(url, autocommit=True, connect_timeout=connect_timeout_s,
-                                       application_name="flywheel", options="-c jit=off")
+                                       application_name="flywheel",
+                                       options="-c jit=off -c default_transaction_isolation=read\\ committed")
         except psycopg.OperationalError as e:
             raise StoreUnavailableError(f"cannot connect to the event store at {redact_url(url)}: "
                                         f"{str(e).strip().splitlines()[0] if str(e).strip() else e}") from None
@@ -233,16 +241,25 @@ class PostgresEventStore(EventStore):
         if batch.num_rows <= SMALL_APPEND:
             rows = _small_rows(batch)
             if rows is not None:
-                with self._lock, self.con.transaction():
-                    return self._append_small(rows, correlation_id, expected_versions)
+                for attempt in range(APPEND_ATTEMPTS):
+                    try:
+                        with self._lock, self.con.transaction():
+                            return self._append_small(rows, correlation_id, expected_versions)
+                    except psycopg.errors.DeadlockDetected:
+                        # This append held the lock and waited on a name that a batch had copied before
+                        # asking for the lock: the server aborted it; nothing was appended; again.
+                        if attempt == APPEND_ATTEMPTS - 1:
+                            raise
         cols = self._prepare(batch)
         for attempt in range(APPEND_ATTEMPTS):
             try:
                 with self._lock, self.con.transaction():
                     return self._append_tx(batch, cols, correlation_id, expected_versions)
-            except psycopg.errors.UniqueViolation:
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DeadlockDetected):
                 # Another writer created one of this batch's streams, entities, names or edges between the
-                # lookups and the copy: nothing was appended; look again.
+                # lookups and the copy, or the lock's holder waited on the names this batch copied before
+                # asking for the lock (a small append, a rebuild) and the server aborted this batch to break
+                # the deadlock: nothing was appended; look again.
                 if attempt == APPEND_ATTEMPTS - 1:
                     raise
             except psycopg.errors.InvalidTextRepresentation as e:
@@ -523,6 +540,18 @@ class PostgresEventStore(EventStore):
         """Drop and recompute every projection from the events alone (under the append lock), then
         refresh the planner's statistics (``flywheel warehouse migrate`` ends with this)."""
         self._check_open()
+        for attempt in range(APPEND_ATTEMPTS):
+            try:
+                self._rebuild()
+                break
+            except psycopg.errors.DeadlockDetected:
+                # A batch had copied names before asking for the lock, and the truncate waited on it:
+                # the server aborted the rebuild (nothing changed); again, after that batch.
+                if attempt == APPEND_ATTEMPTS - 1:
+                    raise
+        return self.projection_counts()
+
+    def _rebuild(self) -> None:
         with self._lock, self.con.transaction():
             con = self.con
             con.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
@@ -558,7 +587,6 @@ class PostgresEventStore(EventStore):
             # planner guessed a sequential scan of lineage_links for each level of an up-walk (trace ->
             # model on a 1M-event store straight after a bulk load: 1.1 s; with them 0.9 ms).
             con.execute("ANALYZE events, entity_names, entity_index, lineage_links")
-        return self.projection_counts()
 
     def check_integrity(self) -> list[str]:
         """The store's invariants (the server enforces the unique ones; the projections are checked

@@ -1,8 +1,13 @@
 """What only the PostgreSQL store has: migration 002 (each lineage edge carries its parent's name, read
-by the walks in the same index probe) and the integrity check that guards it, and a batch append that
-loses a race for a new stream to another writer between its lookups and its lock."""
+by the walks in the same index probe) and the integrity check that guards it, a batch append that
+loses a race for a new stream to another writer between its lookups and its lock, deadlocks between a
+batch's unlocked phase and a holder of the lock (a small append, a rebuild), broken by the server and
+retried, and READ COMMITTED whatever the server's default."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import psycopg
 import pyarrow as pa
@@ -118,3 +123,121 @@ def test_a_batch_that_loses_a_new_stream_to_another_writer_is_retried_and_append
     finally:
         a.close()
         b.close()
+
+
+# -- deadlocks between a batch's unlocked phase and a holder of the append lock ---------------------
+
+def _backend_waits_on_a_lock(url: str, pid: int, timeout_s: float = 20.0) -> None:
+    """Until the backend ``pid`` waits on a heavyweight lock (a row's transaction or a table)."""
+    with psycopg.connect(url, autocommit=True) as mon:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            row = mon.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone()
+            if row and row[0] == "Lock":
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"backend {pid} never waited on a lock")
+
+
+def _race_a_paused_batch(pg_url, monkeypatch, other, *, batch_timeout: str, other_timeout: str):
+    """Writer A appends a batch that mentions the new name suite:shared. Right after its unlocked phase
+    has copied that name (uncommitted), and before it asks for the append lock, ``other(store)`` runs
+    in a thread on its own store and takes the append lock first; once ``other`` waits on A's
+    uncommitted rows, A goes on to ask for the lock: a deadlock, which the server breaks by aborting
+    the side whose ``deadlock_timeout`` runs out first. The server checks a wait for a deadlock once,
+    when its timeout runs out: the batch's short timeout (200 ms, counted from when the cycle is
+    already closed) always makes the batch the one aborted; other's (2 s, counted from before the
+    batch asks for the lock) makes other the one aborted unless the batch takes longer than that to
+    ask, in which case the batch is, after its own timeout; either way both must end recorded once.
+    Returns A's result, other's result (or the exception it raised) and A."""
+    a, o = EventStore(pg_url), EventStore(pg_url)
+    a.con.execute(f"SET deadlock_timeout = '{batch_timeout}'")
+    o.con.execute(f"SET deadlock_timeout = '{other_timeout}'")
+    o_pid = o.con.execute("SELECT pg_backend_pid()").fetchone()[0]
+    out: dict = {}
+
+    def run_other() -> None:
+        try:
+            out["other"] = other(o)
+        except BaseException as e:  # reported by the test
+            out["other"] = e
+
+    real_copy = PostgresEventStore._copy
+    thread = threading.Thread(target=run_other)
+
+    def copy_then_let_other_in(cur, table, columns, fields, then=None):
+        res = real_copy(cur, table, columns, fields, then)
+        if table == "entity_names" and not thread.is_alive() and "other" not in out:
+            thread.start()
+            _backend_waits_on_a_lock(pg_url, o_pid)
+        return res
+
+    monkeypatch.setattr(PostgresEventStore, "_copy", staticmethod(copy_then_let_other_in))
+    n = SMALL_APPEND + 6
+    batch = pa.table({"stream": [f"trace:{i:04d}" for i in range(n)], "type": ["trace.ingested"] * n,
+                      "payload": [canonical_json({"i": i}) for i in range(n)],
+                      "causation": [["suite:shared"]] * n}, schema=BATCH_SCHEMA)
+    try:
+        res = a.append_batch(batch)
+    finally:
+        thread.join(60)
+        o.close()
+    return res, out["other"], a
+
+
+def test_a_small_append_that_deadlocks_with_a_batch_is_retried(pg_url, monkeypatch):
+    """The small append holds the lock and waits on the batch's uncommitted name; the batch waits on the
+    lock. The server aborts the small append (its deadlock_timeout runs out first); it is retried, not
+    raised, and both appends are recorded once (before the retry: DeadlockDetected from append)."""
+    def small(store):
+        return store.append("eval:e1", NewEvent("eval.created", {"split": "train"}, ["suite:shared"]))
+
+    res, other, a = _race_a_paused_batch(pg_url, monkeypatch, small, batch_timeout="60s", other_timeout="2s")
+    try:
+        assert not isinstance(other, BaseException), f"the small append failed: {other!r}"
+        assert res.appended == SMALL_APPEND + 6 and other.appended == 1
+        assert a.last_seq() == SMALL_APPEND + 7 and a.check_integrity() == []
+        assert a.lineage("eval:e1", "down") == [("suite:shared", 1)]
+    finally:
+        a.close()
+
+
+def test_a_batch_that_deadlocks_with_a_small_append_is_retried(pg_url, monkeypatch):
+    """The same deadlock, broken the other way: the batch's deadlock_timeout runs out first, the server
+    aborts it, and the batch is retried after the small append commits."""
+    def small(store):
+        return store.append("eval:e1", NewEvent("eval.created", {"split": "train"}, ["suite:shared"]))
+
+    res, other, a = _race_a_paused_batch(pg_url, monkeypatch, small, batch_timeout="200ms", other_timeout="60s")
+    try:
+        assert not isinstance(other, BaseException), f"the small append failed: {other!r}"
+        assert other.appended == 1 and (other.first_seq, other.last_seq) == (1, 1)
+        assert res.appended == SMALL_APPEND + 6 and res.first_seq == 2
+        assert a.check_integrity() == []
+    finally:
+        a.close()
+
+
+def test_a_rebuild_that_deadlocks_with_a_batch_is_retried(pg_url, monkeypatch):
+    """A rebuild holds the append lock and waits to truncate entity_names, which the batch's unlocked
+    copy holds; the batch waits on the lock. The rebuild is aborted, retried after the batch, and
+    rebuilds the projections of every event."""
+    res, other, a = _race_a_paused_batch(pg_url, monkeypatch, lambda store: store.rebuild_projections(),
+                                         batch_timeout="60s", other_timeout="2s")
+    try:
+        assert not isinstance(other, BaseException), f"the rebuild failed: {other!r}"
+        assert res.appended == SMALL_APPEND + 6
+        assert a.check_integrity() == [] and a.projection_counts()["lineage_edges"] == SMALL_APPEND + 6
+    finally:
+        a.close()
+
+
+def test_the_store_runs_read_committed_whatever_the_servers_default(pg_url):
+    """Each statement of an append must see what committed before it (the lock's holder reads max(seq)
+    after it gets the lock): a server or role whose default is REPEATABLE READ would give the append
+    a snapshot taken before the lock."""
+    with psycopg.connect(pg_url, autocommit=True) as con:
+        db = con.execute("SELECT current_database()").fetchone()[0]
+        con.execute(f'ALTER DATABASE "{db}" SET default_transaction_isolation = \'repeatable read\'')
+    with EventStore(pg_url) as s, s.con.transaction():
+        assert s.con.execute("SHOW transaction_isolation").fetchone()[0] == "read committed"
