@@ -126,7 +126,10 @@ class Event:
 
     @property
     def entity_id(self) -> str:
-        return self.payload.get("entity_id") or self.stream
+        """The entity this event is about: its payload's ``entity_id`` when present (even empty, as the
+        store's projections read it), else its stream."""
+        entity = self.payload.get("entity_id")
+        return self.stream if entity is None else entity
 
 
 @dataclass
@@ -376,7 +379,7 @@ def _small_row(stream: str, type_: str, payload: str, doc: Any, causation: list[
     entity = doc.get("entity_id") if isinstance(doc, dict) else None
     if entity is not None and not isinstance(entity, str):
         return None
-    entity = entity or stream
+    entity = stream if entity is None else entity  # as SQL's coalesce: an empty entity_id is one
     return _SmallRow(stream, type_, payload, causation, compute_event_id(type_, stream, payload), entity,
                      node_id(entity), [node_id(c) if c is not None else 0 for c in causation])
 

@@ -484,6 +484,23 @@ def test_small_and_bulk_appends_interleaved_on_the_same_streams_keep_the_contrac
     assert store.check_integrity() == []
 
 
+
+def test_an_empty_entity_id_names_the_same_entity_on_the_small_and_the_batch_path(store):
+    """``{"entity_id": ""}`` is a present (empty) entity id for the batch path, the rebuild and the
+    integrity check (SQL coalesce keeps ''); the small path computed its ids in Python and took the
+    stream instead, so its projections disagreed with the events ("entity_index disagrees")."""
+    store.append("env:x", NewEvent("env.versioned", {"entity_id": ""}, ["suite:s"]))  # small path
+    assert store.check_integrity() == []
+    filler = [(f"env:y{k}", "env.versioned", {"entity_id": f"env:y@{k}"}, []) for k in range(SMALL_APPEND)]
+    store.append_batch(batch([("env:z", "env.versioned", {"entity_id": "", "v": 2}, ["suite:t"]), *filler]))
+    assert store.check_integrity() == []
+    assert store.entity("")["n_events"] == 2 and store.entity("env:x") is None
+    assert [e.entity_id for e in store.read("env:x")] == [""]
+    assert store.lineage_edges("") == [("", "suite:s"), ("", "suite:t")]
+    incremental = store.projection_rows()
+    store.rebuild_projections()
+    assert store.projection_rows() == incremental
+
 _APPEND_ELSEWHERE = textwrap.dedent(
     """
     import sys
