@@ -229,7 +229,23 @@ def _path_index(path: Path) -> HeadIndex:
         return _PATH_INDEXES.setdefault(key, HeadIndex())
 
 
-_LOCK_RE = re.compile(r"Conflicting lock is held in (?P<exe>.*?) \(PID (?P<pid>\d+)\)")
+# DuckDB's lock conflict: 'Could not set lock on file "...": Conflicting lock is held in <program>
+# (PID <n>)...', with the program left out when it cannot be read (another PID namespace), and nothing
+# after the colon when the holder let go between DuckDB's two fcntl calls (it reads PID 0): exactly
+# what a takeover from an exiting owner meets. Not a conflict: an fcntl failure ("No locks available").
+_LOCK_RE = re.compile(r'Conflicting lock is held|Could not set lock on file "[^"]*":\s*(?:\.|$)')
+_HOLDER_RE = re.compile(r"Conflicting lock is held in (?:(?P<exe>.*?) )?\(?PID (?P<pid>\d+)\)?")
+
+
+def _lock_holder(message: str) -> tuple[str, str] | None:
+    """(pid, program) of the process DuckDB says holds the file's lock, or None when ``message`` is not
+    a lock conflict; ('?', '') where DuckDB does not name the holder, ('<pid>', '') without its program."""
+    if not _LOCK_RE.search(message):
+        return None
+    m = _HOLDER_RE.search(message)
+    if m is None:
+        return "?", ""
+    return m["pid"], (m["exe"] or "").strip()
 _ENTITY_SQL = "coalesce(json_extract_string(payload, '$.entity_id'), stream)"
 _NODE_SQL = "(md5_number({}) >> 64)::UBIGINT"  # node_id() in SQL; .format(column)
 # The catalog's schema version of b.type, without a join (a join would not keep the batch's row order).
@@ -670,10 +686,12 @@ class DuckDBEventStore(EventStore):
                 return
             if time.monotonic() >= deadline:
                 pid, exe = holder
+                who = f"process {pid}" + (f" ({exe})" if exe else "") if pid != "?" else "another process"
+                stop = f"stop it (kill {pid})" if pid != "?" else "stop it (`fuser` names it)"
                 raise StoreLockedError(
-                    f"warehouse {self.path} is held by process {pid} ({exe}), which does not share it (not a "
+                    f"warehouse {self.path} is held by {who}, which does not share it (not a "
                     f"flywheel store, or one opened read-only); waited {self.open_timeout_s:.0f} s. Wait for "
-                    f"that process to finish or stop it (kill {pid}); flywheel processes share the file "
+                    f"that process to finish or {stop}; flywheel processes share the file "
                     f"between them, and `flywheel warehouse export DIR` works from any of them."
                 )
             time.sleep(delay)
@@ -684,9 +702,9 @@ class DuckDBEventStore(EventStore):
         try:
             con = self._connect(self._recover_wal)
         except duckdb.IOException as e:
-            m = _LOCK_RE.search(str(e))
-            if m:
-                return m["pid"], m["exe"]
+            holder = _lock_holder(str(e))
+            if holder is not None:
+                return holder
             raise
         self.con = con
         self._wcon = None if self.read_only else con.cursor()
@@ -769,14 +787,17 @@ class DuckDBEventStore(EventStore):
         # store_share imports store: at module level this would be a cycle
         from flywheel.store_share import OwnerGone
 
-        deadline = time.monotonic() + self.open_timeout_s
+        deadline = None  # counted from when the owner is first found gone, not from the request's start
         while True:
             if self._remote is None:
                 return None  # this process owns the file now: the caller runs locally
             try:
                 return fn(self._remote)
             except OwnerGone:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.open_timeout_s
+                elif now >= deadline:
                     raise StoreUnavailableError(f"the process serving {self.path} went away and none took over") from None
                 self._reattach()
 

@@ -20,8 +20,11 @@ included); the owner keeps its warehouse warm.
 
 Guarantees
 - The socket is created 0600 in the warehouse's own (0700) directory, or, when that path is too long
-  for a Unix socket, in a 0700 per-user directory under the temp dir; a peer whose uid differs from
-  the owner's is refused (SO_PEERCRED).
+  for a Unix socket, in a 0700 per-user directory under /tmp (not TMPDIR, which processes may not
+  share); a peer whose uid differs from the owner's is refused, and a client refuses an owner whose
+  uid differs from its own (SO_PEERCRED).
+- A request that times out, or whose reply cannot be read, drops its connection: a reply that comes
+  later is never read as the answer to another request.
 - Only SELECT statements are run for a client (``duckdb.extract_statements``): a read path cannot
   write.
 - When the owner closes it stops accepting, removes the socket, lets requests in flight finish, and
@@ -41,7 +44,6 @@ import json
 import os
 import socket
 import struct
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,9 @@ _FRAME = struct.Struct("!IQ")  # header length, body length
 _MAX_HEADER = 64 * 1024 * 1024
 
 
+_SOCKET_DIR = "/tmp"  # where a socket goes whose path beside the warehouse would be too long
+
+
 class OwnerGone(ConnectionError):
     """The owning process closed the connection or stopped (the store re-attaches)."""
 
@@ -68,7 +73,9 @@ def socket_path(db: str | os.PathLike[str]) -> str:
     beside = os.path.join(os.path.dirname(real), f".{os.path.basename(real)}.sock")
     if len(beside.encode()) <= 100:
         return beside
-    d = os.path.join(tempfile.gettempdir(), f"flywheel-{os.getuid()}")
+    # Not tempfile.gettempdir(): it follows TMPDIR, and an owner and a client started with different
+    # TMPDIRs would then look for the same warehouse's socket in different places.
+    d = os.path.join(_SOCKET_DIR, f"flywheel-{os.getuid()}")
     os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.stat(d)
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
@@ -321,11 +328,27 @@ class Client:
 
     @classmethod
     def connect(cls, path: str) -> Client | None:
-        """A client of the owner listening at ``path``, or None when nobody answers there."""
+        """A client of the owner listening at ``path``, or None when nobody answers there. Refuses (with
+        StoreError) an owner running as another user: it would be handed this store's appends."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(CONNECT_TIMEOUT_S)
         try:
             s.connect(path)
+        except OSError:
+            s.close()
+            return None
+        try:
+            creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _pid, uid, _gid = struct.unpack("3i", creds)
+        except (OSError, AttributeError):  # pragma: no cover - not Linux: the 0600 socket is the guard
+            uid = os.getuid()
+        if uid != os.getuid():
+            s.close()
+            raise _store.StoreError(
+                f"the store socket {path} is served by another user (uid {uid}): refusing to send this "
+                f"store's reads and appends to it; remove the socket or keep the warehouse in a private "
+                f"directory")
+        try:
             _send(s, {"op": "ping"})
             msg = _recv(s)
         except OSError:
@@ -345,12 +368,20 @@ class Client:
                 _send(self._sock, header, body)
                 msg = _recv(self._sock)
             except TimeoutError:
+                # The answer may still come: a connection with a request in flight would hand it to the
+                # next request, so this one is dropped (the next request re-attaches).
+                self._drop()
                 raise _store.StoreUnavailableError(
                     f"the process owning the store (PID {self.owner_pid}) did not answer within "
                     f"{REQUEST_TIMEOUT_S:.0f} s") from None
             except OSError as e:
+                self._drop()
                 raise OwnerGone(str(e)) from None
+            except BaseException:  # a malformed message, an interrupt: where the stream stands is unknown
+                self._drop()
+                raise
             if msg is None:
+                self._drop()
                 raise OwnerGone("the owner closed the connection")
         reply, body_in = msg
         if "error" in reply:
@@ -374,11 +405,15 @@ class Client:
     def connection(self, read_only: bool = False) -> RemoteConnection:
         return RemoteConnection(self)
 
+    def _drop(self) -> None:
+        """Close the connection (the caller holds ``_lock``); later requests raise OwnerGone."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
     def close(self) -> None:
         with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
+            self._drop()
 
 
 class RemoteResult:
