@@ -246,6 +246,8 @@ def _lock_holder(message: str) -> tuple[str, str] | None:
     if m is None:
         return "?", ""
     return m["pid"], (m["exe"] or "").strip()
+
+
 _ENTITY_SQL = "coalesce(json_extract_string(payload, '$.entity_id'), stream)"
 _NODE_SQL = "(md5_number({}) >> 64)::UBIGINT"  # node_id() in SQL; .format(column)
 # The catalog's schema version of b.type, without a join (a join would not keep the batch's row order).
