@@ -241,29 +241,30 @@ class PostgresEventStore(EventStore):
         if batch.num_rows <= SMALL_APPEND:
             rows = _small_rows(batch)
             if rows is not None:
-                for attempt in range(APPEND_ATTEMPTS):
-                    try:
-                        with self._lock, self.con.transaction():
-                            return self._append_small(rows, correlation_id, expected_versions)
-                    except psycopg.errors.DeadlockDetected:
-                        # This append held the lock and waited on a name that a batch had copied before
-                        # asking for the lock: the server aborted it; nothing was appended; again.
-                        if attempt == APPEND_ATTEMPTS - 1:
-                            raise
+                # Held the lock and waited on a name a batch had copied before asking for it: aborted by
+                # the server to break the deadlock.
+                return self._transaction(lambda: self._append_small(rows, correlation_id, expected_versions),
+                                         psycopg.errors.DeadlockDetected)
         cols = self._prepare(batch)
+        try:
+            # Another writer created one of this batch's streams, entities, names or edges between the
+            # lookups and the copy, or the lock's holder (a small append, a rebuild) waited on the names this
+            # batch copied before asking for the lock and the server aborted this batch: look again.
+            return self._transaction(lambda: self._append_tx(batch, cols, correlation_id, expected_versions),
+                                     (psycopg.errors.UniqueViolation, psycopg.errors.DeadlockDetected))
+        except psycopg.errors.InvalidTextRepresentation as e:
+            raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
+
+    def _transaction(self, fn: Callable[[], Any], retry_on: type[Exception] | tuple[type[Exception], ...]) -> Any:
+        """``fn()`` in one transaction, tried again (up to APPEND_ATTEMPTS) when it fails with ``retry_on``:
+        the transaction was rolled back, so nothing of the failed try was written."""
         for attempt in range(APPEND_ATTEMPTS):
             try:
                 with self._lock, self.con.transaction():
-                    return self._append_tx(batch, cols, correlation_id, expected_versions)
-            except (psycopg.errors.UniqueViolation, psycopg.errors.DeadlockDetected):
-                # Another writer created one of this batch's streams, entities, names or edges between the
-                # lookups and the copy, or the lock's holder waited on the names this batch copied before
-                # asking for the lock (a small append, a rebuild) and the server aborted this batch to break
-                # the deadlock: nothing was appended; look again.
+                    return fn()
+            except retry_on:
                 if attempt == APPEND_ATTEMPTS - 1:
                     raise
-            except psycopg.errors.InvalidTextRepresentation as e:
-                raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
         raise AssertionError("unreachable")
 
     def _append_small(self, rows: list[Any], correlation_id: str | None,
@@ -540,53 +541,47 @@ class PostgresEventStore(EventStore):
         """Drop and recompute every projection from the events alone (under the append lock), then
         refresh the planner's statistics (``flywheel warehouse migrate`` ends with this)."""
         self._check_open()
-        for attempt in range(APPEND_ATTEMPTS):
-            try:
-                self._rebuild()
-                break
-            except psycopg.errors.DeadlockDetected:
-                # A batch had copied names before asking for the lock, and the truncate waited on it:
-                # the server aborted the rebuild (nothing changed); again, after that batch.
-                if attempt == APPEND_ATTEMPTS - 1:
-                    raise
+        # A batch had copied names before asking for the lock and the truncate waited on it: the server
+        # aborted the rebuild; again, after that batch.
+        self._transaction(self._rebuild, psycopg.errors.DeadlockDetected)
         return self.projection_counts()
 
     def _rebuild(self) -> None:
-        with self._lock, self.con.transaction():
-            con = self.con
-            con.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
-            con.execute("TRUNCATE entity_index, lineage_links, entity_names")
-            con.execute(
-                """
-                CREATE TEMP TABLE _fw_ev ON COMMIT DROP AS
-                SELECT seq, coalesce(payload->>'entity_id', stream) AS entity, causation FROM events
-                """
-            )
-            con.execute(
-                """
-                INSERT INTO entity_names (node, name)
-                SELECT DISTINCT flywheel_node(name), name FROM (
-                    SELECT entity AS name FROM _fw_ev UNION SELECT unnest(causation) FROM _fw_ev
-                ) x WHERE name IS NOT NULL
-                """
-            )
-            con.execute(
-                "INSERT INTO entity_index SELECT flywheel_node(entity), min(seq), max(seq), count(*) FROM _fw_ev "
-                "GROUP BY entity"
-            )
-            con.execute(
-                """
-                INSERT INTO lineage_links (child, parent, seq, parent_name)
-                SELECT flywheel_node(entity), flywheel_node(parent), min(seq), parent
-                FROM _fw_ev CROSS JOIN LATERAL unnest(causation) AS parent
-                WHERE parent IS NOT NULL AND parent <> entity
-                GROUP BY 1, 2, 4
-                """
-            )
-            # Statistics for the rebuilt tables now, not when autovacuum next passes: without them the
-            # planner guessed a sequential scan of lineage_links for each level of an up-walk (trace ->
-            # model on a 1M-event store straight after a bulk load: 1.1 s; with them 0.9 ms).
-            con.execute("ANALYZE events, entity_names, entity_index, lineage_links")
+        """One try of :meth:`rebuild_projections`, inside its transaction."""
+        con = self.con
+        con.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
+        con.execute("TRUNCATE entity_index, lineage_links, entity_names")
+        con.execute(
+            """
+            CREATE TEMP TABLE _fw_ev ON COMMIT DROP AS
+            SELECT seq, coalesce(payload->>'entity_id', stream) AS entity, causation FROM events
+            """
+        )
+        con.execute(
+            """
+            INSERT INTO entity_names (node, name)
+            SELECT DISTINCT flywheel_node(name), name FROM (
+                SELECT entity AS name FROM _fw_ev UNION SELECT unnest(causation) FROM _fw_ev
+            ) x WHERE name IS NOT NULL
+            """
+        )
+        con.execute(
+            "INSERT INTO entity_index SELECT flywheel_node(entity), min(seq), max(seq), count(*) FROM _fw_ev "
+            "GROUP BY entity"
+        )
+        con.execute(
+            """
+            INSERT INTO lineage_links (child, parent, seq, parent_name)
+            SELECT flywheel_node(entity), flywheel_node(parent), min(seq), parent
+            FROM _fw_ev CROSS JOIN LATERAL unnest(causation) AS parent
+            WHERE parent IS NOT NULL AND parent <> entity
+            GROUP BY 1, 2, 4
+            """
+        )
+        # Statistics for the rebuilt tables now, not when autovacuum next passes: without them the
+        # planner guessed a sequential scan of lineage_links for each level of an up-walk (trace ->
+        # model on a 1M-event store straight after a bulk load: 1.1 s; with them 0.9 ms).
+        con.execute("ANALYZE events, entity_names, entity_index, lineage_links")
 
     def check_integrity(self) -> list[str]:
         """The store's invariants (the server enforces the unique ones; the projections are checked
