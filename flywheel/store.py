@@ -188,9 +188,40 @@ def is_postgres_url(location: Any) -> bool:
     return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
 
 
+_SECRET_PARAM_RE = re.compile(r"(?i)^(?:ssl)?password$")
+
+
 def redact_url(url: str) -> str:
-    """A store location safe to print: the password of a ``postgresql://user:pw@host`` URL masked."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+    """A store location safe to print: every password of a ``postgresql://`` URL masked.
+
+    Masked from the URL's parts, not by one pattern over the text: the user info's password up to the
+    *last* ``@`` before the host (a password with a raw ``@``, ``/`` or ``?`` in it, which libpq
+    itself would misread, is masked whole), and the value of every ``password`` / ``sslpassword``
+    query parameter (any case, percent-encoded or not). Anything that is not a ``postgresql://`` URL
+    (a warehouse path) is returned as it is. Not guaranteed: a password written into some other
+    parameter (``options=...``) is not recognised.
+    """
+    if not is_postgres_url(url):
+        return url
+    from urllib.parse import unquote
+
+    scheme, rest = url.split("://", 1)
+    q = rest.find("?")
+    at = rest.rfind("@")
+    if 0 <= q < at and "=" not in rest[q:at]:
+        q = rest.find("?", at)  # that "?" was inside the password: the query starts after the host
+    head, query = (rest, "") if q < 0 else (rest[:q], rest[q + 1:])
+    if "@" in head:
+        userinfo, host = head.rsplit("@", 1)
+        user, has_pw, _ = userinfo.partition(":")
+        head = f"{user}:***@{host}" if has_pw else f"{user}@{host}"
+    if query:
+        parts = []
+        for item in query.split("&"):
+            key, eq, _value = item.partition("=")
+            parts.append(f"{key}=***" if eq and _SECRET_PARAM_RE.match(unquote(key).strip()) else item)
+        query = "&".join(parts)
+    return f"{scheme}://{head}" + (f"?{query}" if q >= 0 else "")
 
 
 BATCH_SCHEMA = pa.schema(

@@ -316,6 +316,11 @@ def config_cmd(
         return
     cfg = load(home, config)
     data = json.loads(cfg.model_dump_json())
+    if (data.get("store") or {}).get("url"):
+        # store.url may carry a password (in the user info or ?password=): never printed
+        from flywheel.store import redact_url  # duckdb, ~0.5 s: only when there is a URL to mask
+
+        data["store"]["url"] = redact_url(data["store"]["url"])
     if as_json:
         emit_json(data)
         return
