@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -28,6 +31,48 @@ def register(app: typer.Typer) -> None:
     app.command("ingest")(ingest)
     app.command("collect")(collect)
     app.add_typer(quarantine_app, name="quarantine")
+
+
+class _TerminalLine(logging.Handler):
+    """A log record as one line on the terminal: its message, never its traceback (that is in the log file)."""
+
+    def __init__(self, log_path: Path) -> None:
+        super().__init__(logging.WARNING)
+        self.log_path = log_path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage().splitlines()[0][:300]
+            more = f" (traceback in {self.log_path})" if record.exc_info else ""
+            console.print(f"{record.levelname.lower()}: {msg}{more}", markup=False, highlight=False)
+        except Exception:  # noqa: BLE001 - logging must never stop an ingest
+            self.handleError(record)
+
+
+@contextmanager
+def ingest_logging(log_path: Path) -> Iterator[None]:
+    """While ingesting, ``flywheel.ingest``'s log goes whole (tracebacks included) to ``log_path``
+    (``<home>/logs/ingest.log``) and as one line per warning to the terminal. Python's default (the
+    last-resort handler) printed a traceback per record on the terminal. Only real internal errors
+    log a traceback; bad input is a quarantine reason (``invalid_unicode``, ``too_deep``, ...)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lg = logging.getLogger("flywheel.ingest")
+    to_file = logging.FileHandler(log_path, encoding="utf-8", delay=True)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    to_term = _TerminalLine(log_path)
+    saved = lg.level, lg.propagate
+    lg.addHandler(to_file)
+    lg.addHandler(to_term)
+    lg.setLevel(logging.DEBUG)
+    lg.propagate = False
+    try:
+        yield
+    finally:
+        lg.removeHandler(to_file)
+        lg.removeHandler(to_term)
+        to_file.close()
+        lg.setLevel(saved[0])
+        lg.propagate = saved[1]
 
 
 def _summary_tables(d: dict) -> None:
@@ -101,7 +146,8 @@ def ingest(
         return _dry_run(cfg, list(paths), fmt, as_json, limit)
     correlation_id = f"ingest-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     artifacts = open_artifacts(cfg)
-    with open_store(cfg) as store, progress(enabled=not as_json) as bar:
+    with ingest_logging(Path(cfg.home) / "logs" / "ingest.log"), open_store(cfg) as store, \
+            progress(enabled=not as_json) as bar:
         task = bar.add_task("ingest", total=None, rate="")
         t0 = time.perf_counter()
         state = {"base": 0, "file": None}

@@ -39,12 +39,66 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json(data: bytes) -> tuple[Any, Problem | None]:
-    """Parse one JSON document; never raises. Problems: ``invalid_utf8``, ``invalid_json``."""
+# Deepest nesting a record may have. The store and the artifacts are written by orjson, which refuses
+# more than 255 levels; a trace is nested a few levels deeper in the events that carry it (a failure's
+# payload holds its messages), so records stop well below that.
+MAX_DEPTH = 200
+
+
+def bad_input_problem(obj: Any, max_depth: int = MAX_DEPTH) -> Problem | None:
+    """``invalid_unicode`` (a lone surrogate, in a string or a key) or ``too_deep`` (nested deeper than
+    ``max_depth``) for a parsed value, else None. Iterative: it never hits Python's recursion limit.
+    Run where serialising a record failed, not on every record (a walk costs ~10 µs a trace)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    deepest = 0
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, str):
+            if _has_surrogate(v):
+                return "invalid_unicode", (f"a string holds a lone surrogate ({_surrogate_at(v)}): not valid "
+                                           "Unicode, so it cannot be stored; fix the producer's encoding")
+            continue
+        if isinstance(v, dict):
+            items: Any = v.items()
+        elif isinstance(v, list):
+            items = ((None, x) for x in v)
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > max_depth:
+            return "too_deep", f"nested deeper than {max_depth} levels: a trace this deep cannot be stored"
+        for k, x in items:
+            if isinstance(k, str) and _has_surrogate(k):
+                return "invalid_unicode", (f"an object key holds a lone surrogate ({_surrogate_at(k)}): not "
+                                           "valid Unicode, so it cannot be stored; fix the producer's encoding")
+            stack.append((x, d + 1))
+    return None
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _surrogate_at(s: str) -> str:
+    i = next(i for i, c in enumerate(s) if 0xD800 <= ord(c) <= 0xDFFF)
+    return f"\\u{ord(s[i]):04x} at character {i}"
+
+
+def parse_json(data: bytes, *, strict_unicode: bool = True) -> tuple[Any, Problem | None]:
+    """Parse one JSON document; never raises. Problems: ``invalid_utf8``, ``invalid_json``,
+    ``invalid_unicode`` (a lone surrogate escape, ``"\\ud800"``: valid JSON text, not valid Unicode),
+    ``too_deep`` (nested deeper than the parser's 1,024 levels). ``strict_unicode=False`` accepts lone
+    surrogates (a whole document, whose elements are then checked one by one)."""
     try:
         return orjson.loads(data), None
     except orjson.JSONDecodeError as e:
         err = e
+    if "depth limit" in str(err):
+        return None, ("too_deep", f"nested deeper than 1024 levels ({str(err)[:200]})")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as u:
@@ -52,9 +106,15 @@ def parse_json(data: bytes) -> tuple[Any, Problem | None]:
     try:
         # A second opinion for what orjson refuses but JSON allows. (orjson reads integers beyond 64
         # bits as floats: such values lose precision; documented in the ingest module.)
-        return json.loads(text, parse_constant=_reject_constant), None
+        obj = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
         pass
+    else:
+        if strict_unicode and "surrogate" in str(err):  # a lone \\udXXX escape: orjson refuses it, json accepts it
+            prob = bad_input_problem(obj)
+            if prob is not None:
+                return None, prob
+        return obj, None
     msg = str(err)
     if text.strip() and not text.rstrip().endswith(("}", "]")):
         msg = f"truncated JSON? {msg}"

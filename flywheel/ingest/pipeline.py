@@ -191,7 +191,7 @@ def _sniff_format(path: Path, max_line_bytes: int) -> str:
             for line in iter_lines(stream, max_line_bytes):
                 if line.error or line.oversize or not line.data.strip():
                     continue
-                obj, prob = formats.parse_json(line.data.lstrip(b"\xef\xbb\xbf"))
+                obj, prob = formats.parse_json(line.data.lstrip(b"\xef\xbb\xbf"), strict_unicode=False)
                 if prob is None:
                     return formats.detect_format(obj)
                 n += 1
@@ -486,7 +486,7 @@ def detect_file_format(path: Path, fmt: str, doc: bytes | None, max_line: int, s
     if fmt != "auto":
         return fmt
     if doc is not None:
-        obj, _ = formats.parse_json(doc)
+        obj, _ = formats.parse_json(doc, strict_unicode=False)
         # An array of records is OpenAI format unless its first record is a BFCL replay record (the
         # first record may be anything: ``[5, {...}]`` is still an array of records).
         fmt = formats.detect_format(obj[0] if isinstance(obj, list) and obj else obj)
@@ -496,7 +496,7 @@ def detect_file_format(path: Path, fmt: str, doc: bytes | None, max_line: int, s
 
 def document_lines(doc: bytes) -> Iterator[Line]:
     """The records of a whole JSON document: the items of a top-level array, else the document."""
-    obj, prob = formats.parse_json(doc)
+    obj, prob = formats.parse_json(doc, strict_unicode=False)  # a bad element is quarantined alone
     if prob is None and isinstance(obj, list):
         return iter([Line(i + 1, _record_bytes(x)) for i, x in enumerate(obj)])
     return iter([Line(1, doc.replace(b"\n", b" ").replace(b"\r", b" "))])

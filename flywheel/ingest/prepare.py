@@ -15,7 +15,9 @@ Fault isolation: each record (a line, or for OTel an assembled trace) is prepare
 :meth:`Preparer._isolated`. Any exception it raises -- in a reader/adapter, validation, redaction,
 classification or serialisation, including readers added later -- quarantines that record with
 reason ``internal_error`` and a detail that starts with the exception class; the rest of the file
-goes on. That holds because :meth:`Preparer._accept` computes everything first, including the JSON
+goes on. Known bad input is not an internal error: a lone surrogate or nesting the store cannot
+write is quarantined as ``invalid_unicode`` / ``too_deep`` (named where serialising it fails, see
+:meth:`Preparer._accept`), and only real internal errors are logged with a traceback. That holds because :meth:`Preparer._accept` computes everything first, including the JSON
 the commit will write for a new failure, and only then adds the record to the batch in one step that
 cannot fail. Not covered: an exception in the commit itself (the store, the artifact store, the
 expectation suite) still stops the file, as it must: those are not properties of one record; and
@@ -283,6 +285,18 @@ class Preparer:
 
     # records --------------------------------------------------------------------------------------
     def _accept(self, b: Batch, line: Line, rec: Any, needs_redaction: bool, seen: set[str]) -> None:
+        """Accept one record; one the store cannot hold (a lone surrogate, nesting deeper than orjson's 255
+        levels) is quarantined as bad input (``invalid_unicode``, ``too_deep``), not as an internal error.
+        Serialisation is where such a record fails: the walk that names the reason runs only then."""
+        try:
+            self._accept_record(b, line, rec, needs_redaction, seen)
+        except (TypeError, ValueError, RecursionError):
+            prob = formats.bad_input_problem(rec)
+            if prob is None:
+                raise  # not the input's shape: a real internal error (_isolated logs it)
+            self._quarantine(b, line, *prob)
+
+    def _accept_record(self, b: Batch, line: Line, rec: Any, needs_redaction: bool, seen: set[str]) -> None:
         rec = resolve_undeclared(rec, self.tool_registry)
         prob, dt = validate(rec, self.limits)
         if prob:

@@ -4,7 +4,8 @@ rest of the file goes on.
 
 The three records that aborted a whole file before (0 events, nothing quarantined): a lone surrogate
 (``"\\ud800"``, accepted by the fallback JSON parser, refused by the serialiser), metadata nested
-deeper than the serialiser's 255 levels, and a tool schema whose ``required`` is a number. Then the
+deeper than the serialiser's 255 levels, and a tool schema whose ``required`` is a number (since
+issue 31 the first two are quarantined as bad input, ``invalid_unicode`` and ``too_deep``). Then the
 same isolation on the worker-process and whole-document paths, injected faults at every step of
 preparation, and Hypothesis fuzzing: arbitrary JSON values in every field of each input format
 (OpenAI JSONL, OTel OTLP/JSON, BFCL replay) through the real pipeline and store.
@@ -59,6 +60,9 @@ REQUIRED_NOT_A_LIST = json.dumps(_trace("bad-required", tools=[
 ])).encode()
 CASES = {"lone_surrogate": SURROGATE, "metadata_deeper_than_255": DEEP_METADATA,
          "required_not_a_list": REQUIRED_NOT_A_LIST}
+# What the first two are quarantined as since issue 31 (finding 14): bad input, not internal errors.
+CASE_REASON = {"lone_surrogate": "invalid_unicode", "metadata_deeper_than_255": "too_deep"}
+BAD_INPUT_REASONS = frozenset(CASE_REASON.values())
 _CLASS_FIRST = re.compile(r"^[A-Za-z_][\w.]*: ")  # "<exception class>: <message>"
 
 
@@ -82,11 +86,12 @@ def _check_isolated(store, arts, summary, bad_ids: list[str], good_ids: list[str
     rows = {json.loads(r["raw"])["trace_id"] if r["raw"].startswith("{") else r["line"]: r
             for r in _quarantined(store, arts)}
     for tid in bad_ids:
-        # Either ingested (the step no longer fails on it) or quarantined as an internal error whose
-        # detail starts with the exception class; never lost.
+        # Either ingested (the step no longer fails on it), quarantined as known bad input (issue 31
+        # finding 14: its own reason), or as an internal error whose detail starts with the exception
+        # class; never lost.
         if store.entity(f"trace:{tid}") is None:
             r = rows[tid]
-            assert r["reason"] == "internal_error" and _CLASS_FIRST.match(r["detail"]), r
+            assert r["reason"] in BAD_INPUT_REASONS or (r["reason"] == "internal_error" and _CLASS_FIRST.match(r["detail"])), r
             assert r["replayable"]
     assert summary.read == summary.ingested + summary.duplicates + summary.quarantined
     assert store.read(types="ingest.completed"), "the file's ingest.completed event is missing"
@@ -103,7 +108,7 @@ def test_finding6_one_bad_record_does_not_abort_the_file(cfg, store, arts, tmp_p
     _check_isolated(store, arts, s, [bad], ["good-1", "good-2"])
     assert s.ingested + s.quarantined == 3
     if case != "required_not_a_list":
-        assert s.quarantined_by_reason == {"internal_error": 1}
+        assert s.quarantined_by_reason == {CASE_REASON[case]: 1}
     else:  # the classifier reads such a schema as "no required arguments" and the trace is kept
         assert s.quarantined == 0 and store.entity("trace:bad-required")["state"]["status"] == "failure"
     # Re-ingesting the file appends nothing (quarantine identity is the file content and batch).
@@ -118,7 +123,7 @@ def test_finding6_surrogate_detail_and_raw_are_valid_utf8_and_replay_keeps_it_qu
     f = _write(tmp_path / "s.jsonl", [_trace("good-1"), SURROGATE])
     ingest_paths(cfg, store, arts, [f])
     (row,) = _quarantined(store, arts)
-    assert row["reason"] == "internal_error" and "\\ud800" in row["raw"]
+    assert row["reason"] == "invalid_unicode" and "\\ud800" in row["raw"]
     row["detail"].encode("utf-8")  # no lone surrogate reached the Parquet artifact
     again = replay_quarantine(cfg, store, arts)
     assert again.ingested == 0 and store.entity("trace:bad-surrogate") is None
@@ -134,7 +139,7 @@ def test_finding6_all_three_in_worker_processes(cfg, store, arts, tmp_path, monk
         goods = [f"good-w{workers}-{i}" for i in range(3)]
         lines = [_trace(goods[0]), *CASES.values(), _trace(goods[1]), _trace(goods[2])]
         s = ingest_paths(cfg, store, arts, [_write(tmp_path / f"w{workers}.jsonl", lines)])
-        assert s.quarantined_by_reason == {"internal_error": 2}
+        assert s.quarantined_by_reason == {"invalid_unicode": 1, "too_deep": 1}
         assert s.ingested + s.duplicates == 4
         _check_isolated(store, arts, s, ["bad-surrogate", "bad-deep", "bad-required"], goods)
 
@@ -145,7 +150,7 @@ def test_finding6_whole_json_document_with_a_surrogate_element(cfg, store, arts,
     f.write_text(doc)
     s = ingest_paths(cfg, store, arts, [f])
     _check_isolated(store, arts, s, ["bad-surrogate"], ["good-1", "good-2"])
-    assert s.quarantined_by_reason == {"internal_error": 1}
+    assert s.quarantined_by_reason == {"invalid_unicode": 1}
     doc2 = tmp_path / "doc2.json"  # a first element that is not an object does not break detection
     doc2.write_text("[\n5,\n" + json.dumps(_trace("good-3")) + "\n]\n")
     s2 = ingest_paths(cfg, store, arts, [doc2])
