@@ -48,6 +48,9 @@ Semantics, and where they differ from running the tests in-process
   result of any other type (a subclass of int, an object with its own ``__eq__``, a numpy scalar, a
   generator) cannot be compared and fails the check that uses it, where in-process it would run that
   type's own ``__eq__``. This is the point: ``class Any: __eq__ = lambda *a: True`` cannot pass.
+- A set, frozenset or dict key set (decoded, or built by ``set``/``frozenset`` in a check) with more
+  than 32 distinct items of one hash is refused as crafted: integers that are multiples of
+  ``2**61 - 1`` all hash alike and would make building it quadratic in this process.
 - Checks run on the decoded values with Python's own operators, so ``5 == 5.0`` and ``(1, 2) != [1,
   2]`` behave as in the tests.
 - Every call of every test runs, once, in source order, in one process -- also the calls after a
@@ -81,9 +84,38 @@ _MAX_PRODUCT = 10_000_000
 # Largest integer operand of trusted arithmetic (division of two such numbers takes ~10 ms).
 _MAX_INT_BITS = 100_000
 
+# Distinct values sharing one hash that a set or dict built from candidate data may hold. CPython
+# hashes ints modulo 2**61 - 1 (tuples, frozensets and floats from their values) without a secret,
+# so a candidate can make every item of a result collide, and building n of them costs ~n**2/2
+# comparisons in this process, outside every sandbox limit (8,000 took 0.46 s; 20,000 several
+# seconds: issue 31, finding 7). Honest data has a handful per hash at most (-1 and -2 share one).
+_MAX_SAME_HASH = 32
+
+
+def _bounded_set(items: Any, kind: type = set) -> set | frozenset:
+    """``set(items)`` (or ``frozenset``), refusing more than ``_MAX_SAME_HASH`` distinct items of one
+    hash: each insertion then compares with at most that many, so the build is linear."""
+    out: set = set()
+    add, seen = out.add, {}
+    for x in items:
+        n = len(out)
+        h = hash(x)
+        add(x)
+        if len(out) != n:
+            c = seen.get(h, 0) + 1
+            if c > _MAX_SAME_HASH:
+                raise ValueError(f"more than {_MAX_SAME_HASH} distinct items collide on one hash (a crafted result)")
+            seen[h] = c
+    return out if kind is set else frozenset(out)
+
+
+def _bounded_frozenset(items: Any = ()) -> frozenset:
+    return _bounded_set(items, frozenset)  # type: ignore[return-value]
+
+
 _HELPERS: dict[str, Any] = {
     "len": len, "abs": abs, "round": round, "sorted": sorted, "min": min, "max": max, "sum": sum,
-    "any": any, "all": all, "set": set, "frozenset": frozenset, "list": list, "tuple": tuple, "str": str,
+    "any": any, "all": all, "set": _bounded_set, "frozenset": _bounded_frozenset, "list": list, "tuple": tuple, "str": str,
     "int": int, "float": float, "bool": bool, "isinstance": isinstance, "type": type,
 }
 _TYPES: dict[str, type] = {
@@ -678,17 +710,26 @@ def _untag(v: Any, depth: int) -> Any:
     if tag in ("t", "s", "fs") and isinstance(body, list):
         items = [_untag(x, depth + 1) for x in body]
         try:
-            return tuple(items) if tag == "t" else (set(items) if tag == "s" else frozenset(items))
+            return tuple(items) if tag == "t" else _bounded_set(items, set if tag == "s" else frozenset)
         except TypeError:
             raise ValueError("unhashable set element") from None
     if tag == "d" and isinstance(body, list):
         out = {}
+        same_hash: dict[int, int] = {}  # as in _bounded_set: at most _MAX_SAME_HASH distinct keys per hash
         for kv in body:
             if not (isinstance(kv, list) and len(kv) == 2):
                 raise ValueError("malformed dict item")
+            key = _untag(kv[0], depth + 1)
             try:
-                out[_untag(kv[0], depth + 1)] = _untag(kv[1], depth + 1)
+                h = hash(key)
+                n = len(out)
+                out[key] = _untag(kv[1], depth + 1)
             except TypeError:
                 raise ValueError("unhashable dict key") from None
+            if len(out) != n:
+                same_hash[h] = c = same_hash.get(h, 0) + 1
+                if c > _MAX_SAME_HASH:
+                    raise ValueError(f"more than {_MAX_SAME_HASH} distinct dict keys collide on one hash "
+                                     "(a crafted result)")
         return out
     raise ValueError(f"unknown tag {tag!r}")
