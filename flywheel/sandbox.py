@@ -507,7 +507,11 @@ def isolation_report(cfg: SandboxConfig | None = None) -> dict[str, str | bool]:
     iso = isolation_mode()
     strong = iso == "netns"
     cg = cgroup_support() if cfg.cgroup != "off" else "none: disabled (sandbox.cgroup = off)"
-    if strong:
+    cannot = _probe_sandbox(PYTHON, cfg.model_dump_json()) if (strong or cfg.allow_weak) else None
+    if cannot is not None:
+        verdicts = "infrastructure errors: the sandbox cannot start on this machine"
+        warning = f"python_tests/shell verdicts are infrastructure errors: the sandbox cannot start ({cannot})"
+    elif strong:
         verdicts = "graded in namespaces; io-checkable python tests judged outside the sandbox"
         warning = ""
         if cg.startswith("none") and cfg.cgroup == "require":
@@ -529,9 +533,28 @@ def isolation_report(cfg: SandboxConfig | None = None) -> dict[str, str | bool]:
         "uid": "throwaway uid per run (grader: a second one)" if os.geteuid() == 0 else "the verifier's own uid",
         "cgroup": cg,
         "verdicts": verdicts,
-        "trusted": strong and not (cg.startswith("none") and cfg.cgroup == "require"),
+        "trusted": strong and cannot is None and not (cg.startswith("none") and cfg.cgroup == "require"),
         "warning": warning,
     }
+
+
+@functools.lru_cache(maxsize=4)
+def _probe_sandbox(python: str, cfg_json: str) -> str | None:
+    """None when a real sandbox run of a two-line honest solution passes here (~0.1 s, once per
+    process and configuration), else why not. ``isolation_mode()`` only proves that ``unshare``
+    works; a checkout under /tmp once made every run fail to start after that (issue 31, finding 1),
+    so ``flywheel init``/``status`` report what a run actually does."""
+    cfg = SandboxConfig.model_validate_json(cfg_json)
+    try:
+        r = run_python_tests("def f():\n    return 1\n", "from solution import f\n\ndef test_f():\n    assert f() == 1\n",
+                             cfg, python=python)
+    except Exception as e:  # noqa: BLE001 - whatever broke, the report must say it instead of raising
+        return f"{type(e).__name__}: {e}"[:300]
+    if r.infra_error:
+        return r.infra_error[:300]
+    if not r.passed:
+        return "an honest probe solution did not pass: " + "; ".join(r.per_test.values())[:300]
+    return None
 
 
 def discover_tests(tests: str) -> list[str]:
@@ -939,7 +962,9 @@ def _judge_io(plan: IOPlan, raw: str, worker: list[str] | None) -> tuple[dict[st
     loaded = False
     results: dict[int, tuple[str, object]] = {}
     n = len(plan.calls)
-    for line in raw.splitlines():
+    # Records are "\n"-terminated; splitlines() would also break at \x0c, \u2028, ... inside a record
+    # (issue 31, finding 10). The harness escapes all of those in what it writes.
+    for line in raw.split("\n"):
         if not line:
             continue
         head, _, rest = line.partition(" ")
@@ -994,7 +1019,7 @@ def _judge_inproc(names: list[str], tokens: list[str], done_token: str, raw: str
     integrity: list[str] = []
     seen: set[int] = set()
     done = False
-    for line in raw.splitlines():
+    for line in raw.split("\n"):  # one record per "\n" only, as in _judge_io
         if not line:
             continue
         parts = line.split(" ", 2)
@@ -1027,7 +1052,7 @@ def _judge_inproc(names: list[str], tokens: list[str], done_token: str, raw: str
 def _records(f, nonce: str) -> list[list[str]]:
     f.seek(0)
     out = []
-    for line in f.read(_RECORD_LIMIT).decode("utf-8", errors="replace").splitlines():
+    for line in f.read(_RECORD_LIMIT).decode("utf-8", errors="replace").split("\n"):
         parts = line.split(" ")
         if len(parts) >= 3 and parts[0] == nonce:
             out.append(parts[1:])

@@ -76,30 +76,42 @@ def _mount_tmpfs(libc, target, size_mb, mode="1777", inodes=None):
     _mount(libc, "tmpfs", target, "tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode())
 
 
-def _expose(libc, paths, staging):
-    """Make ``paths`` (the interpreter's prefix) reachable by the sandbox uids even when an ancestor is
-    private (pyenv under ``/root``, mode 0700): bind each path aside, cover the private ancestor with an
-    empty tmpfs (which also hides everything else in it), and bind the paths back at their old names."""
-    covers = {}
+# Directories init covers with a fresh tmpfs (the host's are hidden from the sandbox).
+_COVERED = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+
+
+def _hold(paths):
+    """Before any mount: an ``O_PATH`` descriptor on each of ``paths`` (the interpreter's prefix, the
+    venv) that must stay reachable, and why it would not be -- a private ancestor (pyenv under
+    ``/root``, mode 0700) or a place init covers with tmpfs (a checkout and its venv under ``/tmp``:
+    issue 31, finding 1). The descriptors keep the directories reachable once they are hidden."""
+    held = []
     for p in paths:
+        covered = any(p == c or p.startswith(c + "/") for c in _COVERED)
+        private = None
         parts = p.strip("/").split("/")
         for i in range(1, len(parts)):
             anc = "/" + "/".join(parts[:i])
             if not (os.stat(anc).st_mode & 0o001):
-                covers.setdefault(anc, []).append(p)
+                private = anc
                 break
-    staged = []
-    for anc, inner in covers.items():
-        for p in inner:
-            spot = os.path.join(staging, f"s{len(staged)}")
-            os.mkdir(spot)
-            _mount(libc, p, spot, None, _MS_BIND | _MS_REC, None)
-            staged.append((spot, p))
+        if not covered and private is None:
+            continue
+        held.append((p, os.open(p, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), None if covered else private))
+    return held
+
+
+def _expose(libc, held):
+    """After the tmpfs mounts: cover each private ancestor with an empty tmpfs (which also hides
+    everything else in it) and bind each held path back at its old name, read-only, from its
+    descriptor (``/proc/self/fd/N`` reaches the directory even where a mount now hides it)."""
+    for anc in sorted({a for _, _, a in held if a is not None}):
         _mount(libc, "tmpfs", anc, "tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755")
-    for spot, p in staged:
+    for p, fd, _ in held:
         os.makedirs(p, exist_ok=True)
-        _mount(libc, spot, p, None, _MS_BIND | _MS_REC, None)
-        libc.umount2(spot.encode(), _MNT_DETACH)
+        _mount(libc, f"/proc/self/fd/{fd}", p, None, _MS_BIND | _MS_REC, None)
+        _mount(libc, None, p, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV, None)
+
 
 
 def _set_limits(limits):
@@ -126,9 +138,16 @@ def _drop_privileges(uid):
     os.setuid(uid)
 
 
+# Every character str.splitlines() breaks at. A record is one "\n"-terminated line (the supervisor
+# splits on "\n" only), and a message never holds any of these raw: escaping all of them keeps an
+# honest failure message from looking like a second record to any line reader (issue 31, finding 10).
+_LINE_BREAKS = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+                for c in (0x0a, 0x0b, 0x0c, 0x0d, 0x1c, 0x1d, 0x1e, 0x85, 0x2028, 0x2029)}
+_LINE_BREAKS[0x0a], _LINE_BREAKS[0x0d], _LINE_BREAKS[ord("\\")] = "\\n", "\\r", "\\\\"
+
+
 def _one_line(text, limit=300):
-    text = text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
-    return text[:limit]
+    return text.translate(_LINE_BREAKS)[:limit]
 
 
 # ---------------------------------------------------------------------------- io: the call driver
@@ -561,12 +580,12 @@ def main():
                 f.write("0")
         libc = _libc()
         if strong:
-            # /tmp first: it hides the host's /tmp and holds the staging points of _expose.
+            held = _hold(setup["expose"])  # before the mounts below can hide them
             _mount_tmpfs(libc, "/tmp", setup["tmpfs_mb"], inodes=_TMP_INODES)
-            os.mkdir("/tmp/.flywheel", 0o700)
-            _expose(libc, setup["expose"], "/tmp/.flywheel")
             for extra in ("/var/tmp", "/dev/shm", "/run/lock"):
                 _mount_tmpfs(libc, extra, 1, inodes=256)
+            _expose(libc, held)
+            setup["held"] = [h for h in held if h[2] is None]  # the grader's fresh /tmp hides these again
             workdir = "/tmp/work"
             # The work dir is a mount point of its own: the candidate cannot rename it away and put a
             # symlink in its place before init hands its files to the grader.
@@ -792,6 +811,7 @@ def _grader_environment(libc, setup, workdir, strong, grader_uid):
         libc.umount2(b"/dev/shm/w", _MNT_DETACH)
         for extra in ("/var/tmp", "/dev/shm", "/run/lock"):
             _mount_tmpfs(libc, extra, 1, inodes=256)
+        _expose(libc, setup.get("held", []))
         base = "/tmp"
     else:
         base = setup["fallback_grader_base"]

@@ -57,6 +57,8 @@ def test_allowed_weak_verdicts_count_but_are_not_training_data(weak):
 
 
 def test_isolation_report_says_what_verdicts_become(monkeypatch):
+    # The mapping from (isolation, cgroup, config) to words; whether a run starts is probed apart.
+    monkeypatch.setattr(sb, "_probe_sandbox", lambda python, cfg_json: None)
     monkeypatch.setattr(sb, "isolation_mode", lambda: "weak: not running as root")
     r = sb.isolation_report(SandboxConfig())
     assert r["mode"] == "weak" and not r["trusted"] and "infrastructure errors" in r["verdicts"] and r["warning"]
