@@ -65,7 +65,9 @@ setting for each instrumentation), ``otel_log_without_span`` (GenAI log records 
 none of the files read), ``otel_nothing_to_read`` (an export request with neither spans nor log
 records carrying a trace id), ``otel_late_span`` (a trace id met again after its trace was assembled:
 only possible when the scan could not run), ``otel_unreadable`` (a span or record of an unexpected
-shape, e.g. a ``status`` that is not an object; the detail names the error).
+shape, e.g. a ``status`` that is not an object; the detail names the error), ``otel_bad_value`` (a
+value no mapping can read, e.g. a kvlist entry whose key is not a string: the line or trace holding it
+is quarantined, also when it sits in a logs companion file; the other records go on).
 
 Not supported: a trace's spans split across two span-bearing files (the first part is read, the
 later one is a duplicate id); content uploaded elsewhere by reference (``gen_ai.input.messages.ref``);
@@ -120,8 +122,21 @@ CAPTURE_HINT = (
 
 
 # -- OTLP/JSON values ------------------------------------------------------------------------------
+class BadValue(ValueError):
+    """An OTLP value no mapping can read (a kvlist entry whose key is not a string): the record that
+    holds it is quarantined as ``otel_bad_value`` with this message, the rest of the file goes on."""
+
+
+def _kv_key(e: dict[str, Any]) -> str:
+    k = e.get("key")
+    if type(k) is not str:
+        raise BadValue(f"a kvlistValue entry's key is not a string ({type(k).__name__} {str(k)[:40]})")
+    return k
+
+
 def any_value(v: Any) -> Any:
-    """An OTLP/JSON ``AnyValue`` as a Python value (int64 strings as ints, kvlists as dicts)."""
+    """An OTLP/JSON ``AnyValue`` as a Python value (int64 strings as ints, kvlists as dicts).
+    Raises :class:`BadValue` for a kvlist entry whose key is not a string (a dict key must be one)."""
     if type(v) is not dict or len(v) != 1:
         return _any_value_slow(v)
     ((k, x),) = v.items()  # one key: the common shape, read without a lookup per candidate key
@@ -129,9 +144,12 @@ def any_value(v: Any) -> Any:
         return x
     if k == "kvlistValue" and type(x) is dict:
         try:
-            return {e["key"]: any_value(e["value"]) for e in _values(x)}
+            out = {e["key"]: any_value(e["value"]) for e in _values(x)}
         except (KeyError, TypeError):
             return _any_value_slow(v)
+        if all(type(kk) is str for kk in out):
+            return out
+        return _any_value_slow(v)
     if k == "arrayValue" and type(x) is dict:
         return [any_value(e) for e in _values(x)]
     return _any_value_slow(v)
@@ -159,7 +177,7 @@ def _any_value_slow(v: Any) -> Any:
         return v["boolValue"]
     kv = v.get("kvlistValue")
     if kv is not None:
-        return {x.get("key"): any_value(x.get("value")) for x in _values(kv) if type(x) is dict} \
+        return {_kv_key(x): any_value(x.get("value")) for x in _values(kv) if type(x) is dict} \
             if type(kv) is dict else {}
     arr = v.get("arrayValue")
     if arr is not None:
@@ -851,7 +869,10 @@ class LogIndex:
                         if prob or not isinstance(obj, dict):
                             continue  # reported when the log file itself is read
                         for tid, lr, _ in iter_logs(obj):
-                            rec = compact_log(lr) if tid else None
+                            try:
+                                rec = compact_log(lr) if tid else None
+                            except BadValue:
+                                continue  # quarantined with its reason when the log file itself is read
                             if rec is not None:
                                 idx.by_trace.setdefault(tid, []).append(rec)
                 except (EOFError, OSError):
@@ -923,17 +944,25 @@ class Assembler:
                 self._due(line.lineno)
         problems: list[Problem] = []
         n = 0
-        for tid, sp, res, scope in iter_spans(obj):
+        try:
+            for tid, sp, res, scope in iter_spans(obj):
+                n += 1
+                if tid in self._closed:
+                    problems.append(("otel_late_span", f"span of trace {tid} after its trace was assembled"))
+                    continue
+                self._state(tid, line)["spans"].append((sp, res, scope))
+        except BadValue as e:  # in a resource's attributes: the spans after it on this line are not read
             n += 1
-            if tid in self._closed:
-                problems.append(("otel_late_span", f"span of trace {tid} after its trace was assembled"))
-                continue
-            self._state(tid, line)["spans"].append((sp, res, scope))
+            problems.append(("otel_bad_value", f"resource attributes: {e}"))
         for tid, lr, _ in iter_logs(obj):
             if not tid:
                 continue
             n += 1
-            rec = compact_log(lr)
+            try:
+                rec = compact_log(lr)
+            except BadValue as e:  # this record alone: the line is quarantined, its other records go on
+                problems.append(("otel_bad_value", f"log record of trace {tid}: {e}"))
+                continue
             if rec is None:
                 continue
             if self._logs_only and tid in self._span_tids:
@@ -969,6 +998,8 @@ class Assembler:
             logs = logs + self._index.take(tid)
         try:
             rec, prob = to_trace(tid, st["spans"], logs)
+        except BadValue as e:
+            rec, prob = None, ("otel_bad_value", f"trace {tid}: {e}"[:500])
         except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
             # A shape the mapping did not expect (a status that is not an object, ...): this trace is
             # quarantined with the reason, the rest of the file goes on.

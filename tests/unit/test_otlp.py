@@ -166,3 +166,33 @@ def test_array_and_kvlist_values_that_are_not_lists_read_as_empty():
         assert any_value({"arrayValue": {"values": bad}, "status": None}) == []
         assert any_value({"kvlistValue": {"values": bad}, "status": None}) == {}
     assert any_value({"arrayValue": {"values": [{"intValue": "7"}, {"stringValue": "s"}]}}) == [7, "s"]
+
+
+def test_otlp_log_with_a_non_string_kvlist_key_is_quarantined_and_the_span_files_traces_go_on(cfg, store, tmp_path):
+    """Issue 31, finding 6: a GenAI log record whose kvlist has a non-string key
+    (``{"kvlistValue": {"values": [{"key": [1], "value": {}}]}}``) in a logs companion file raised in
+    the log index loader, outside per-record isolation, and the span file's good traces were lost.
+    Now that record is quarantined (when the logs file itself is read) with a reason that names the
+    bad key, and every good trace of both files is ingested."""
+    from flywheel.ingest import list_quarantine, show_quarantine
+
+    good = [(tid_of(i), f"{i:02x}" * 8) for i in range(1, 4)]
+    bad_tid = tid_of(9)
+    spans = tmp_path / "spans.jsonl"
+    spans.write_text("\n".join(spans_line([chat_span(t, s)]) for t, s in [*good, (bad_tid, "c1c2c3c4c5c6c7c8")]) + "\n")
+    bad = event(bad_tid, "c1c2c3c4c5c6c7c8", "gen_ai.user.message", {"content": "x"}, 1)
+    bad["body"] = {"kvlistValue": {"values": [{"key": [1], "value": {}}]}}
+    logs = tmp_path / "logs.jsonl"
+    logs.write_text("\n".join([
+        logs_line([event(t, s, "gen_ai.user.message", {"content": f"Hello {t[:2]}?"}, 1) for t, s in good]),
+        logs_line([bad]),
+    ]) + "\n")
+    arts = ArtifactStore(cfg.artifacts_dir)
+    s = ingest_paths(cfg, store, arts, [spans, logs])
+    for t, _ in good:
+        assert store.entity(f"trace:{t}") is not None, t
+    rows = [r for q in list_quarantine(store) for r in show_quarantine(store, arts, q["stream"])]
+    bad_rows = [r for r in rows if r["reason"] == "otel_bad_value"]
+    assert len(bad_rows) == 1 and bad_rows[0]["file"] == "logs.jsonl" and bad_rows[0]["line"] == 2, rows
+    assert "key" in bad_rows[0]["detail"] and "not a string" in bad_rows[0]["detail"], bad_rows[0]["detail"]
+    assert "internal_error" not in s.quarantined_by_reason, s.quarantined_by_reason
