@@ -152,17 +152,20 @@ def test_urls_point_at_the_services_and_their_ports(compose):
 
 def test_servers_use_postgres_and_the_object_store(compose):
     services = compose["services"]
-    pg_url = _env(services["prefect-server"])["PREFECT_API_DATABASE_CONNECTION_URL"]
-    u = urlparse(pg_url)
-    assert u.scheme == "postgresql+asyncpg" and u.hostname == "postgres" and u.port == 5432
+    # Prefect builds its database URL from these parts (the password from the same secret as Postgres').
+    prefect = _env(services["prefect-server"])
     pg_env = _env(services["postgres"])
-    assert u.username == pg_env["POSTGRES_USER"] and u.password == pg_env["POSTGRES_PASSWORD"]
-    assert u.path.lstrip("/") == pg_env["POSTGRES_DB"]
+    assert prefect["PREFECT_SERVER_DATABASE_DRIVER"] == "postgresql+asyncpg"
+    assert prefect["PREFECT_SERVER_DATABASE_HOST"] == "postgres" and prefect["PREFECT_SERVER_DATABASE_PORT"] == "5432"
+    assert prefect["PREFECT_SERVER_DATABASE_USER"] == pg_env["POSTGRES_USER"]
+    assert prefect["PREFECT_SERVER_DATABASE_PASSWORD_FILE"] == pg_env["POSTGRES_PASSWORD_FILE"]
+    assert prefect["PREFECT_SERVER_DATABASE_NAME"] == pg_env["POSTGRES_DB"]
 
     mlflow = services["mlflow"]
     argv = _command(mlflow)
     backend = urlparse(_flag(argv, "--backend-store-uri"))
-    assert backend.hostname == "postgres" and backend.username == pg_env["POSTGRES_USER"]
+    assert backend.hostname == "postgres" and backend.username == pg_env["POSTGRES_USER"] and backend.password is None
+    assert _env(mlflow)["PGPASSWORD_FILE"] == pg_env["POSTGRES_PASSWORD_FILE"]  # libpq reads PGPASSWORD
     # MLflow's database is created by the init script next to the compose file.
     init = (COMPOSE.parent / "postgres-init.sql").read_text()
     assert re.search(rf"CREATE DATABASE {backend.path.lstrip('/')}\b", init)
@@ -174,7 +177,8 @@ def test_servers_use_postgres_and_the_object_store(compose):
 
 def test_workers_share_the_event_store_on_the_compose_postgres(compose):
     """Team mode: every worker's store.url names the compose Postgres, a database its init script
-    creates, the user it runs as, and no password (that travels as PGPASSWORD)."""
+    creates, the user it runs as, and no password (that travels as PGPASSWORD, read from the secret
+    Postgres itself was given)."""
     from flywheel.config import load_config
 
     services = compose["services"]
@@ -186,7 +190,7 @@ def test_workers_share_the_event_store_on_the_compose_postgres(compose):
         u = urlparse(url)
         assert u.scheme == "postgresql" and u.hostname == "postgres" and u.port == _listen_port("postgres", services["postgres"])
         assert u.username == pg_env["POSTGRES_USER"] and u.password is None
-        assert env["PGPASSWORD"] == pg_env["POSTGRES_PASSWORD"]
+        assert env["PGPASSWORD_FILE"] == pg_env["POSTGRES_PASSWORD_FILE"]
         assert re.search(rf"CREATE DATABASE {u.path.lstrip('/')}\b", init)
         deps = services[name]["depends_on"]
         assert deps["postgres"]["condition"] == "service_healthy"
