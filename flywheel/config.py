@@ -160,7 +160,7 @@ class SynthConfig(_Section):
     per_seed: int = Field(8, ge=0, description="Candidates generated per seed task.")
     generators: list[str] = Field(
         default_factory=lambda: ["mutate", "distractor", "parallel"],
-        description="Generators to run: mutate, distractor, parallel, paraphrase.",
+        description="Generators to run: mutate, distractor, parallel, paraphrase, schema_values, masked_names, irrelevance.",
     )
     seed: int = Field(0, description="Seed of the deterministic generators.")
     near_dup_jaccard: float = Field(
@@ -202,6 +202,13 @@ class PolicyConfig(_Section):
         "auto",
         description="auto: bf16 on CUDA, fp32 on CPU. fast: bf16 wherever the device computes it natively "
         "(CUDA; CPUs with AVX512-BF16 or AMX, where prefill and training run ~2.4x faster than fp32), else fp32.",
+    )
+    merge_adapters: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Inference with a LoRA version (gate, evaluation, serve, rollouts): fold the adapter into the "
+        "base weights (W + s*BA) so a forward costs what the base model's does. auto: only when the weights are "
+        "float32, where the fold is exact to fp32 rounding (in bf16 it rounds W + s*BA to bf16 and changes greedy "
+        "answers); always / never force it.",
     )
     max_concurrency: int = Field(8, ge=1, description="Concurrent HTTP requests (openai backend).")
     request_timeout_s: float = Field(120.0, gt=0, description="Seconds one policy server request may take.")

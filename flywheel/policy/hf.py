@@ -56,6 +56,15 @@ class _Shared:
     lock: threading.RLock = field(default_factory=threading.RLock)
 
 
+def should_merge(merge: str, dtype: Any) -> bool:
+    """``policy.merge_adapters`` for weights of ``dtype``: always, never, or auto (float32 only)."""
+    import torch
+
+    if merge not in ("auto", "always", "never"):
+        raise ValueError(f"merge must be auto, always or never (got {merge!r})")
+    return merge == "always" or (merge == "auto" and dtype == torch.float32)
+
+
 class HFPolicy:
     """A policy backed by an in-process transformers causal LM (CPU or CUDA).
 
@@ -103,13 +112,16 @@ class HFPolicy:
         name: str | None = None,
         version: str | None = None,
         max_batch_rows: int = 64,
+        merge: str = "never",
     ) -> HFPolicy:
         """Load ``spec`` with :func:`flywheel.policy.models.load_model` and wrap it.
 
         ``name`` defaults to the spec; ``version`` to ``"base"`` or ``"adapter:<dir name>"``.
+        ``merge`` (``policy.merge_adapters``: auto / always / never): fold the adapter into the base
+        weights after loading (:meth:`merge_adapter`); ``auto`` folds only float32 weights.
         """
         model, tok = load_model(spec, home=Path(home), device=device, dtype=dtype, adapter=adapter)
-        return cls(
+        policy = cls(
             model,
             tok,
             name=name or str(spec),
@@ -117,6 +129,9 @@ class HFPolicy:
             adapter="default" if adapter is not None else None,
             max_batch_rows=max_batch_rows,
         )
+        if adapter is not None and should_merge(merge, next(model.parameters()).dtype):
+            policy.merge_adapter()
+        return policy
 
     @property
     def model(self) -> Any:
@@ -168,6 +183,37 @@ class HFPolicy:
             max_batch_rows=self.max_batch_rows, _shared=self._shared,
         )
 
+    def merge_adapter(self) -> None:
+        """Fold this policy's active LoRA adapter into the base weights (``W <- W + s * B @ A``).
+
+        A merged LoRA layer runs its base layer alone, so a forward costs what the base model's does:
+        measured on a 2-core CPU without native bf16 (SmolLM2-135M, fp32), the gate's greedy answers
+        with the adapter unmerged took about twice the base model's time per item (issue 32). In
+        float32 the fold is exact to fp32 rounding (tests/unit/test_policy_merge.py: identical greedy
+        answers); in bf16 it rounds ``W + s*BA`` to bf16 and changes answers, which is why
+        ``policy.merge_adapters = "auto"`` folds only float32 weights.
+
+        The adapter stays loaded (peft's ``merge_adapter``, not ``merge_and_unload``): switching to
+        another adapter or to the base (``adapter=None``) un-merges first, as peft does, so views and
+        ``flywheel serve``'s runtime adapters keep their meaning (each applies to the base alone).
+        """
+        import torch
+
+        with self._shared.lock, torch.no_grad():
+            model = self.model
+            if self.adapter is None or self.adapter not in (getattr(model, "peft_config", None) or {}):
+                raise ModelLoadError(f"policy {self.name!r}: no active adapter to merge")
+            if getattr(model, "active_adapter", None) != self.adapter:
+                model.set_adapter(self.adapter)
+            model.merge_adapter()
+
+    @property
+    def merged(self) -> bool:
+        """Whether the active adapter is folded into the base weights (see :meth:`merge_adapter`)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        return any(getattr(m, "merged", False) for m in self.model.modules() if isinstance(m, BaseTunerLayer))
+
     def adapter_names(self) -> set[str]:
         return set(getattr(self.model, "peft_config", {}) or {})
 
@@ -206,6 +252,8 @@ class HFPolicy:
                     model = PeftModel(model, cfg, adapter_name="default")
                 elif "default" not in model.peft_config:
                     model.add_adapter("default", cfg)
+                if self.merged:  # new adapter weights must not land beside a folded copy of the old ones
+                    model.unmerge_adapter()
                 state = get_peft_model_state_dict(source, adapter_name=src_name)
                 result = set_peft_model_state_dict(model, state, adapter_name="default")
                 unexpected = getattr(result, "unexpected_keys", [])
@@ -287,7 +335,9 @@ class HFPolicy:
             return model.disable_adapter() if names else contextlib.nullcontext()
         if self.adapter not in names:
             raise ModelLoadError(f"policy {self.name!r}: adapter {self.adapter!r} is no longer loaded")
-        model.set_adapter(self.adapter)
+        if getattr(model, "active_adapter", None) != self.adapter:
+            # peft's set_adapter un-merges a merged adapter, even the one already active: only switch.
+            model.set_adapter(self.adapter)
         return contextlib.nullcontext()
 
     def _generate_chunk(

@@ -129,7 +129,9 @@ def load_policy_for_version(cfg: FlywheelConfig, tracker: Tracker, name: str, ve
     files = version_files(cfg, tracker, name, version)
     common = dict(device=cfg.policy.device, dtype=cfg.policy.dtype, name=name, version=str(version))
     if files.adapter:
-        return HFPolicy.from_spec(files.base_model, home=cfg.home, adapter=files.directory, **common)
+        # The gate and `flywheel serve` both load here, so the gate judges the weights that are served.
+        return HFPolicy.from_spec(files.base_model, home=cfg.home, adapter=files.directory,
+                                  merge=cfg.policy.merge_adapters, **common)
     return HFPolicy.from_spec(str(files.directory), home=cfg.home, **common)
 
 
