@@ -33,6 +33,9 @@ Guarantees
   (they are zeroed before ``exp`` so padding cannot overflow).
 - Returned statistics are detached Python floats.
 
+Preference losses (:func:`dpo_loss`, :func:`rpo_loss`) work on pairs of whole-answer log-probs,
+not per-token ratios; they are at the end of the module with their own inputs.
+
 Not covered: value baselines, per-token rewards, dual-clip PPO.
 """
 
@@ -309,3 +312,86 @@ def sft_loss(inp: LossInputs) -> LossOutputs:
     if inp.entropy is not None:
         stats["entropy"] = float((inp.entropy.detach().float() * m).sum() / max(n, 1.0))
     return LossOutputs(loss, per_tok, stats, n)
+
+
+# -- preference losses (DPO / RPO) ------------------------------------------------------------------
+
+
+@dataclass
+class PreferenceInputs:
+    """Sequence log-probs of ``P`` preference pairs, each summed over the answer's loss-masked tokens.
+
+    ``chosen_logp``/``rejected_logp`` carry the gradient; the reference values are constants (the
+    policy's own log-probs before the first update, computed once under ``no_grad``).
+    """
+
+    chosen_logp: torch.Tensor  # [P] sum_t m log pi_theta(y_c,t | x, y_c,<t), with grad
+    rejected_logp: torch.Tensor  # [P] same for the rejected answer
+    ref_chosen_logp: torch.Tensor  # [P] log pi_ref(y_c | x), constant
+    ref_rejected_logp: torch.Tensor  # [P] log pi_ref(y_r | x), constant
+    chosen_tokens: torch.Tensor  # [P] |y_c|: loss-masked tokens of the chosen answer (RPO's length normaliser)
+    num_pairs: int | None = None  # global pair count of the step (all micro-batches and ranks); None = P
+    dp_world_size: int = 1  # ranks whose gradients are averaged by DDP/DeepSpeed
+
+
+@dataclass
+class PreferenceOutputs:
+    loss: torch.Tensor  # [] scalar to call backward on (this micro-batch's share of the step's mean)
+    per_pair_loss: torch.Tensor  # [P] before aggregation
+    stats: dict[str, float] = field(default_factory=dict)  # means over this micro-batch's pairs
+    pairs: float = 0.0  # pairs of this micro-batch (weight for aggregating stats)
+
+
+def rpo_loss(inp: PreferenceInputs, beta: float = 0.1, alpha: float = 1.0) -> PreferenceOutputs:
+    """RPO: DPO plus a length-normalised NLL term on the chosen answer, per pair::
+
+        margin = beta * ((logp_c - ref_c) - (logp_r - ref_r))
+        L      = -log sigmoid(margin) + alpha * (-logp_c) / |y_c|
+
+    averaged over the step's pairs (``num_pairs``, so gradient accumulation over micro-batches gives
+    the gradient of the whole batch). ``alpha = 0`` is DPO.
+
+    DPO: Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is Secretly a
+    Reward Model", arXiv 2305.18290, eq. 7 (``beta`` is the KL strength; the implicit reward of an
+    answer is ``beta * (logp - ref)``). RPO: Pang et al. 2024, "Iterative Reasoning Preference
+    Optimization", arXiv 2404.19733, eq. 1 (the NLL on the chosen sequence, normalised by its length,
+    weighted by ``alpha``; it keeps the chosen log-prob from falling while the margin grows, the
+    known failure of plain DPO on tasks with one right answer).
+
+    Gradients (``s = sigmoid(margin)``): ``dL/dlogp_c = -beta (1 - s) - alpha / |y_c|``,
+    ``dL/dlogp_r = +beta (1 - s)``; divided by the pair count. Reported statistics: ``margin`` (mean
+    ``beta``-scaled reward margin), ``accuracy`` (share of pairs with margin > 0),
+    ``chosen_reward`` / ``rejected_reward`` (implicit rewards), ``dpo`` and ``nll`` (the two terms).
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0 (the DPO KL strength), got {beta}")
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0 (the NLL weight), got {alpha}")
+    shapes = {tuple(t.shape) for t in (inp.chosen_logp, inp.rejected_logp, inp.ref_chosen_logp,
+                                       inp.ref_rejected_logp, inp.chosen_tokens)}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+        raise ValueError(f"preference inputs must all be [P] vectors of one length, got shapes {sorted(shapes)}")
+    lc, lr = inp.chosen_logp.float(), inp.rejected_logp.float()
+    chosen_reward = beta * (lc - inp.ref_chosen_logp.detach().float())
+    rejected_reward = beta * (lr - inp.ref_rejected_logp.detach().float())
+    margin = chosen_reward - rejected_reward
+    dpo = -torch.nn.functional.logsigmoid(margin)
+    nll = -lc / inp.chosen_tokens.detach().float().clamp(min=1.0)
+    per_pair = dpo + alpha * nll
+    p = float(per_pair.shape[0])
+    n = float(inp.num_pairs if inp.num_pairs is not None else p)
+    loss = per_pair.sum() / max(n, 1.0) * inp.dp_world_size
+
+    def mean(x: torch.Tensor) -> float:
+        return float(x.detach().float().sum() / max(p, 1.0))
+
+    stats = {
+        "margin": mean(margin), "accuracy": mean((margin > 0).float()), "chosen_reward": mean(chosen_reward),
+        "rejected_reward": mean(rejected_reward), "dpo": mean(dpo), "nll": mean(nll),
+    }
+    return PreferenceOutputs(loss, per_pair, stats, p)
+
+
+def dpo_loss(inp: PreferenceInputs, beta: float = 0.1) -> PreferenceOutputs:
+    """DPO (Rafailov et al. 2023, arXiv 2305.18290): :func:`rpo_loss` with ``alpha = 0``."""
+    return rpo_loss(inp, beta=beta, alpha=0.0)

@@ -54,11 +54,12 @@ from flywheel.config import LossName, TrainConfig
 from flywheel.kernels import fused_logprob
 from flywheel.kernels.fused_layers import patch_for_training
 from flywheel.train.data import MicroBatch, TrainSample, make_micro_batches
-from flywheel.train.losses import LossInputs, compute_loss, sft_loss
+from flywheel.train.losses import LossInputs, PreferenceInputs, compute_loss, rpo_loss, sft_loss
 
 LogprobImpl = Literal["fused", "naive"]
-#: What a run optimises: a GRPO-family loss (``[train] loss``) or SFT's cross-entropy.
-Objective = LossName | Literal["sft"]
+#: What a run optimises: a GRPO-family loss (``[train] loss``), SFT's cross-entropy, or RPO/DPO on
+#: preference pairs (:meth:`Trainer.preference_step`).
+Objective = LossName | Literal["sft", "rpo"]
 
 # Dense bf16 peak FLOP/s by GPU name substring (vendor datasheets), for the MFU estimate.
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40": 181e12, "L4": 121e12, "A10": 125e12}
@@ -315,6 +316,23 @@ class StepMetrics:
         return d
 
 
+@dataclass
+class PreferenceSample:
+    """One preference pair in tokens: the chosen and the rejected answer to one prompt (two
+    :class:`~flywheel.train.data.TrainSample` with the same ``prompt_ids``), and the reference policy's
+    sequence log-probs of each (``None`` until :meth:`Trainer.preference_reference` fills them).
+    ``group_id`` names the pair, so :func:`batches` shuffles pairs whole."""
+
+    chosen: TrainSample
+    rejected: TrainSample
+    ref_chosen: float | None = None
+    ref_rejected: float | None = None
+    group_id: str = ""
+
+    def __len__(self) -> int:
+        return len(self.chosen) + len(self.rejected)
+
+
 class Trainer:
     """Owns model, optimizer, schedule (and DeepSpeed engine). One :meth:`step` = one optimizer update."""
 
@@ -507,6 +525,135 @@ class Trainer:
             loss_tokens=int(sum(s.n_loss_tokens for s in samples)), seconds=dt, tokens_per_s=tokens / dt,
             stats=stats,
         )
+
+    # -- preference pairs (DPO / RPO) ---------------------------------------------------------------
+    def _pair_chunks(self, pairs: Sequence[PreferenceSample]) -> list[list[PreferenceSample]]:
+        """Consecutive pairs in chunks of at most ``micro_batch_tokens`` real tokens (a longer pair is
+        its own chunk). A pair's two answers are always in one chunk: the DPO term couples them, so
+        both log-probs must be in one graph when it is backpropagated."""
+        budget = self.train.micro_batch_tokens
+        chunks: list[list[PreferenceSample]] = []
+        cur: list[PreferenceSample] = []
+        load = 0
+        for p in pairs:
+            if cur and load + len(p) > budget:
+                chunks.append(cur)
+                cur, load = [], 0
+            cur.append(p)
+            load += len(p)
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _pair_logps(
+        self, model: Any, pairs: Sequence[PreferenceSample]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(chosen [P], rejected [P], chosen answer tokens [P], tokens through the model)``: sequence
+        log-probs summed over each answer's loss-masked tokens, through the trainer's micro-batching and
+        log-prob path (a chunk's sequences may span several padded micro-batches; their graphs are all
+        kept until the caller's backward)."""
+        seqs = [s for p in pairs for s in (p.chosen, p.rejected)]
+        sums: dict[int, torch.Tensor] = {}
+        tokens = 0
+        for mb in self.micro_batches(seqs):
+            mb = mb.to(self.device)
+            tokens += mb.n_tokens
+            logp, _ = self._logprobs(model, mb, False)
+            per_seq = (logp.float() * mb.mask).sum(-1)  # [S]
+            for k, s in enumerate(mb.samples):
+                sums[id(s)] = per_seq[k]
+        chosen = torch.stack([sums[id(p.chosen)] for p in pairs])
+        rejected = torch.stack([sums[id(p.rejected)] for p in pairs])
+        n_chosen = torch.tensor([float(p.chosen.n_loss_tokens) for p in pairs], device=chosen.device)
+        return chosen, rejected, n_chosen, tokens
+
+    @torch.no_grad()
+    def preference_reference(self, pairs: Sequence[PreferenceSample]) -> None:
+        """Fill ``ref_chosen``/``ref_rejected`` with the current weights' sequence log-probs (eval mode).
+
+        Called once before the first update, so the DPO reference is the starting policy without a
+        second model in memory (with LoRA the same holds for a run continuing a trained adapter, which
+        ``disable_adapter`` would not give)."""
+        was_training = self.model.training
+        self.model.eval()
+        for chunk in self._pair_chunks(pairs):
+            c, r, _, _ = self._pair_logps(self.model, chunk)
+            for p, a, b in zip(chunk, c.tolist(), r.tolist(), strict=True):
+                p.ref_chosen, p.ref_rejected = float(a), float(b)
+        self.model.train(was_training)
+
+    def preference_step(self, pairs: Sequence[PreferenceSample], *, beta: float = 0.1, alpha: float = 1.0) -> StepMetrics:
+        """One optimizer update of :func:`flywheel.train.losses.rpo_loss` (``alpha = 0``: DPO) over ``pairs``.
+
+        Gradient accumulation across pair chunks (:meth:`_pair_chunks`) with the step's global pair
+        count as normaliser, so the split does not change the gradient; clipping, optimizer, schedule
+        and DeepSpeed as in :meth:`step`. The pairs must carry reference log-probs
+        (:meth:`preference_reference`)."""
+        if not pairs:
+            raise ValueError("Trainer.preference_step: empty batch")
+        missing = [p.group_id for p in pairs if p.ref_chosen is None or p.ref_rejected is None]
+        if missing:
+            raise ValueError(f"Trainer.preference_step: pairs {missing[:5]} have no reference log-probs; "
+                             "call preference_reference(pairs) before the first update")
+        t0 = time.perf_counter()
+        chunks = self._pair_chunks(pairs)
+        (n_pairs,) = _dist_sum([float(len(pairs))])
+        world = _world_size()
+        self.model.train()
+        total_loss = 0.0
+        agg: dict[str, float] = {}
+        agg_w = 0.0
+        tokens = 0
+        for i, chunk in enumerate(chunks):
+            if self.engine is not None:
+                self.engine.set_gradient_accumulation_boundary(i == len(chunks) - 1)
+            with gathered_head(self.model):
+                c, r, n_c, tok = self._pair_logps(self.model, chunk)
+                tokens += tok
+                ref = torch.tensor([[p.ref_chosen, p.ref_rejected] for p in chunk], dtype=torch.float32,
+                                   device=c.device)
+                out = rpo_loss(PreferenceInputs(
+                    chosen_logp=c, rejected_logp=r, ref_chosen_logp=ref[:, 0], ref_rejected_logp=ref[:, 1],
+                    chosen_tokens=n_c, num_pairs=int(n_pairs), dp_world_size=world,
+                ), beta=beta, alpha=alpha)
+                if self.engine is not None:
+                    self.engine.backward(out.loss, scale_wrt_gas=False)
+                else:
+                    out.loss.backward()
+            total_loss += float(out.loss.detach())
+            for k, v in out.stats.items():
+                agg[k] = agg.get(k, 0.0) + v * out.pairs
+            agg_w += out.pairs
+        lr, grad_norm = self._optimizer_update()
+        dt = time.perf_counter() - t0
+        stats = {k: v / max(agg_w, 1.0) for k, v in agg.items()}
+        stats["pairs"] = float(len(pairs))
+        return StepMetrics(
+            step=self.step_count, loss=total_loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
+            loss_tokens=int(sum(p.chosen.n_loss_tokens + p.rejected.n_loss_tokens for p in pairs)), seconds=dt,
+            tokens_per_s=tokens / dt, stats=stats,
+        )
+
+    def _optimizer_update(self) -> tuple[float, float]:
+        """Clip, step the optimizer and the schedule, zero the gradients: ``(lr used, grad norm)``.
+        (The tail of :meth:`step`, which keeps its own copy.)"""
+        lr = float(self.scheduler.get_last_lr()[0])
+        if self.engine is not None:
+            self.engine.step()
+            gn = self.engine.get_global_grad_norm()
+            grad_norm = float(gn) if gn is not None else float("nan")
+        else:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.train.grad_clip))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        if self.use_cuda:
+            torch.cuda.synchronize()
+        elif self.train.release_memory:
+            _malloc_trim()
+        return lr, grad_norm
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Save the adapter (LoRA: ``adapter_config.json`` + ``adapter_model.safetensors``) or the full model."""
