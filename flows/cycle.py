@@ -175,6 +175,23 @@ def grpo_stage(key: str, rollout_ids: list[str], base: str, correlation_id: str)
     return publish_stage("train-grpo", out)
 
 
+@task(name="learn", **STAGE)
+def learn_stage(key: str, base: str, correlation_id: str) -> dict:
+    """``train.mode = arms``: the learning stage of :mod:`flywheel.train.learn` (first pass, probe-aimed
+    synthesis, arms, choice on dev, fold-in)."""
+    from flywheel.train.learn import run_learning
+
+    r = _res()
+
+    def synthesize(plan: dict[str, int]) -> dict:
+        return summarize(run_synth(r.cfg, r.store, r.artifacts, env=r.cfg.cycle.train_env,
+                                   correlation_id=correlation_id, plan=plan))
+
+    res = run_learning(r.cfg, r.store, r.artifacts, r.tracker, base=base, correlation_id=correlation_id,
+                       progress=lambda stage, info: _report(stage, **info), synthesize=synthesize)
+    return publish_stage("learn", summarize(res))
+
+
 @task(name="gate", **STAGE)
 def gate_stage(key: str, model_version: int, correlation_id: str) -> dict:
     r = _res()
@@ -300,8 +317,9 @@ def flywheel_cycle(
             return finish("no_signal", "no held-out suite: nothing to gate a challenger on")
         outputs += [env_id, heldout]
 
-        # 3. synthetic widening
-        if cfg.synth.per_seed > 0 and cfg.synth.generators:
+        # 3. synthetic widening (train.mode = arms with a probe: later, aimed by the probe)
+        probe_aims_synth = cfg.train.mode == "arms" and "targeted" in cfg.train.arms and cfg.train.probe_tasks > 0
+        if cfg.synth.per_seed > 0 and cfg.synth.generators and not probe_aims_synth:
             _report("synth", status="running")
             stages["synth"] = timed("synth", synth_stage, K("synth", env=env_id, heldout=heldout,
                                      synth=cfg.synth.model_dump()), corr)
@@ -316,7 +334,7 @@ def flywheel_cycle(
         champion = reconcile_champion(store, tracker, name).champion  # an interrupted promotion is completed
         champion_ref = f"model:{name}/{champion}" if champion is not None else f"base:{cfg.policy.base_model}"
         roll: dict[str, Any] = {}
-        if cfg.train.mode != "sft":
+        if cfg.train.mode not in ("sft", "arms"):
             _report("rollouts", status="running", policy=champion_ref)
             roll = timed("rollouts", rollout_stage, K("rollouts", env=env_id, policy=champion_ref,
                                                       rollout=cfg.rollout.model_dump()),
@@ -335,7 +353,14 @@ def flywheel_cycle(
                                     threshold=cfg.train.sft_trigger_zero_variance)
         stages["train_mode"] = {"mode": mode, "why": why}
         challenger: int | None = None
-        if mode == "sft":
+        if mode == "arms":
+            _report("learn", status="running", why=why)
+            learn = timed("learn", learn_stage, K("learn", env=env_id, base=base, train=cfg.train.model_dump(),
+                                                  synth=cfg.synth.model_dump()), base, corr)
+            stages["learn"] = learn
+            challenger = learn["model_version"]
+            outputs += [learn["learn_id"], learn["model_entity"]]
+        elif mode == "sft":
             _report("train-sft", status="running", why=why)
             sft = timed("train-sft", sft_stage, K("sft", env=env_id, base=base, train=cfg.train.model_dump()), base, corr)
             stages["sft"] = sft

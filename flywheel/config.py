@@ -295,8 +295,46 @@ class ObjectiveConfig(_Section):
 class TrainConfig(_Section):
     """Training: the stage's schedule and every knob of the trainer (``flywheel.train.trainer``)."""
 
-    mode: Literal["auto", "sft", "grpo"] = Field(
-        "auto", description="auto: SFT first when the policy never succeeds (see sft_trigger_*), then GRPO."
+    mode: Literal["auto", "sft", "grpo", "arms"] = Field(
+        "auto", description="auto: SFT first when the policy never succeeds (see sft_trigger_*), then GRPO. arms: "
+        "the learning stage of flywheel.train.learn -- a first pass of SFT over every real correction, then arms "
+        "(plain-SFT control, targeted synthesis, RPO, GRPO) chosen on a dev split; the control ships unless an "
+        "arm beats it there."
+    )
+    arms: list[Literal["control", "targeted", "rpo", "grpo"]] = Field(
+        default_factory=lambda: ["control", "targeted", "rpo", "grpo"],
+        description="Arms of mode = arms, each trained from the first-pass checkpoint within one budget. The control "
+        "(continued plain SFT on the real corrections) always trains: it is what ships when no arm beats it on dev.",
+    )
+    first_pass_epochs: float = Field(
+        1.0, gt=0.0, le=16.0, description="mode = arms: full passes over the real corrections and replay before any "
+        "arm or synthetic example (steps = ceil(epochs * demonstrations / batch_size)).",
+    )
+    arm_steps: int = Field(4, ge=1, description="mode = arms: optimizer steps of batch_size sequences per arm.")
+    arm_budget_cpu_s: float | None = Field(
+        None, gt=0.0, description="mode = arms: also stop an arm once its process CPU-seconds reach this (None: steps only).",
+    )
+    dev_fraction: float = Field(
+        0.15, ge=0.0, lt=0.5, description="mode = arms: share of the real train-side failures, by whole cluster, held "
+        "out of training as the dev split the arms are chosen on (never the held-out suite).",
+    )
+    dev_min_items: int = Field(8, ge=0, description="mode = arms: the dev split's minimum size (at most half the failures).")
+    dev_fold_in: bool = Field(
+        True, description="mode = arms: after the choice, train the dev items' corrections into the shipped model "
+        "(ceil(dev / batch_size) steps), so no correction is lost to the dev split.",
+    )
+    probe_tasks: int = Field(
+        24, ge=0, description="mode = arms: train-side tasks the first-pass model answers greedily to count its error "
+        "kinds, which aim the synthesis of the targeted arm (0: no probe).",
+    )
+    rpo_beta: float = Field(0.1, gt=0.0, description="RPO/DPO: beta of the preference term (Rafailov et al. 2023).")
+    rpo_alpha: float = Field(
+        1.0, ge=0.0, description="RPO: weight of the NLL term on the chosen answer (Pang et al. 2024); 0 = plain DPO."
+    )
+    rpo_lr: float | None = Field(None, gt=0.0, description="Peak learning rate of the RPO arm (None: sft_lr).")
+    grpo_min_signal_groups: int = Field(
+        2, ge=1, description="mode = arms: the GRPO arm trains only when at least this many rollout groups carry "
+        "signal (not all samples pass or all fail); otherwise it is skipped and the count is reported.",
     )
     loss: LossName = Field("dapo", description="GRPO-family loss variant: " + ", ".join(LOSS_NAMES) + ".")
     steps: int = Field(8, ge=0, description="Optimizer steps per training phase.")
@@ -340,6 +378,16 @@ class TrainConfig(_Section):
     objective: ObjectiveConfig = Field(
         default_factory=ObjectiveConfig, description="Loss knobs shared by the variants ([train.objective])."
     )
+
+    @field_validator("arms")
+    @classmethod
+    def _arms(cls, v: list[str]) -> list[str]:
+        if "control" not in v:
+            raise ValueError("train.arms must include 'control': plain SFT is what ships when no arm beats it on dev, "
+                             "so without it nothing guards against a learning stage worse than fine-tuning")
+        if len(set(v)) != len(v):
+            raise ValueError(f"train.arms lists an arm twice: {v}")
+        return v
 
     @field_validator("betas")
     @classmethod

@@ -66,6 +66,7 @@ class TrainSample:
     reward: float = 0.0
     group_id: str = ""
     truncated: bool = False
+    task_id: str = ""  # the rollout's task (lets the learning stage keep its dev split out of GRPO)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
@@ -129,6 +130,7 @@ def samples_from_rollouts(
                 reward=float(cols["reward"][i]),
                 group_id=str(cols["group_id"][i]),
                 truncated=bool(cols["truncated"][i]),
+                task_id=str(cols["task_id"][i]) if "task_id" in cols else "",
             )
         )
     stats.used = len(samples)

@@ -128,7 +128,7 @@ def _train_and_register(
     cfg: FlywheelConfig, store: EventStore, tracker: Tracker, *, mode: str, base: str, consumes: list[str], model: Any,
     tokenizer: Any, base_spec: str, options: TrainerOptions, steps: int, step_batches: Callable[[Any], Any],
     on_step: Callable[[int, dict[str, float]], None] | None, extra_params: dict[str, Any], run_payload: dict[str, Any],
-    datasets: list[DatasetSpec],
+    datasets: list[DatasetSpec], budget_cpu_s: float | None = None,
 ) -> TrainResult:
     from flywheel.train.trainer import Trainer  # torch: heavy, only when training
 
@@ -156,7 +156,8 @@ def _train_and_register(
         })
         run.log_datasets(datasets)
         logged = len(datasets)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
+        stopped = ""
         for batch in step_batches(trainer):
             m = trainer.step(batch)
             flat = m.flat()
@@ -164,9 +165,14 @@ def _train_and_register(
             run.log_metrics({k: v for k, v in flat.items() if k != "step"}, step=m.step)
             if on_step is not None:
                 on_step(m.step, flat)
+            if budget_cpu_s is not None and time.process_time() - c0 >= budget_cpu_s:
+                stopped = f"CPU budget of {budget_cpu_s} s reached after {len(history)} steps"
+                break
         wall = time.perf_counter() - t0
+        cpu_s = time.process_time() - c0
         run.log_datasets(datasets[logged:])  # rollouts sampled by later GRPO iterations
         summary = _summary(history, wall)
+        summary["cpu_s"] = cpu_s
         run.log_metrics({f"final.{k}": v for k, v in summary.items()}, step=len(history))
         tmp = Path(tempfile.mkdtemp(prefix="flywheel-train-", dir=cfg.home))
         try:
@@ -188,7 +194,7 @@ def _train_and_register(
     store.append(run_id, NewEvent("training.completed", {
         "entity_id": run_id, "mlflow_run_id": run.run_id, "mode": mode, "objective": options.objective,
         "steps": len(history), "loss": summary.get("loss"), "metrics": summary, "base": base, "base_model": base_spec,
-        "adapter": adapter, **run_payload,
+        "adapter": adapter, **run_payload, **({"stopped": stopped} if stopped else {}),
     }, causation))
     store.append(f"model:{name}", NewEvent("model.registered", {
         "entity_id": model_ent, "name": name, "version": version, "run": run_id, "mlflow_run_id": run.run_id,
@@ -276,8 +282,13 @@ def train_grpo(
     rollout_fn: Callable[[Any], Any] | None = None,
     iterations: int = 1,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    exclude_tasks: set[str] | frozenset[str] = frozenset(),
+    budget_cpu_s: float | None = None,
 ) -> TrainResult:
     """GRPO-family training on published rollout datasets; registers the result as ``challenger``.
+
+    ``exclude_tasks``: task ids whose groups are not trained on (the learning stage's dev split);
+    ``budget_cpu_s``: stop once the run has used this many process CPU-seconds.
 
     ``steps`` optimizer steps per iteration of ``cfg.train.batch_size`` sequences (whole groups) at
     peak learning rate ``lr`` (default ``cfg.train.lr``); every other knob is ``cfg.train``. With
@@ -318,7 +329,7 @@ def train_grpo(
                                       max_completion_len=cfg.rollout.max_new_tokens, source=eid)
         for x in s:  # group ids are only unique within one dataset
             x.group_id = f"{eid}#{x.group_id}"
-        samples.extend(s)
+        samples.extend(x for x in s if x.task_id not in exclude_tasks)
         stats_list.append(st.to_dict())
     if not samples:
         raise TrainStageError(f"rollouts {consumes}: no usable samples (all rows had infra errors?)")
@@ -347,7 +358,7 @@ def train_grpo(
         base_spec=base_spec, options=opts, steps=n_steps, step_batches=step_batches, on_step=on_step,
         extra_params={"iterations": iterations, "advantage": cfg.rollout.advantage, "batch_size": cfg.train.batch_size,
                       "rollout_rows": sum(s["rows"] for s in stats_list)},
-        run_payload={"rollouts": consumes, "rollout_stats": stats_list}, datasets=datasets,
+        run_payload={"rollouts": consumes, "rollout_stats": stats_list}, datasets=datasets, budget_cpu_s=budget_cpu_s,
     )
 
 
@@ -365,8 +376,10 @@ def train_sft(
     steps: int | None = None,
     lr: float | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    budget_cpu_s: float | None = None,
 ) -> TrainResult:
     """Supervised warm start on demonstrations (answer tokens only); registers the result as ``challenger``.
+    ``budget_cpu_s``: stop once the run has used this many process CPU-seconds (the learning stage's arms).
 
     Refuses held-out demonstrations (:class:`flywheel.train.demos.HeldOutDemonstrationError`) before
     loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
@@ -394,7 +407,7 @@ def train_sft(
         base_spec=base_spec, options=opts, steps=n_steps, step_batches=step_batches, on_step=on_step,
         extra_params={"demonstrations": len(demonstrations), "batch_size": cfg.train.batch_size},
         run_payload={"demonstrations": len(demonstrations), "sources": len(sources)},
-        datasets=[demonstrations_dataset(demonstrations, sources)],
+        datasets=[demonstrations_dataset(demonstrations, sources)], budget_cpu_s=budget_cpu_s,
     )
 
 

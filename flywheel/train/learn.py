@@ -1,0 +1,454 @@
+"""The learning stage (``train.mode = "arms"``): real corrections first, then arms chosen on a dev split.
+
+Why this shape (issue 30): plain supervised fine-tuning on the corrections is the simplest thing a user
+could do instead of running the flywheel, so the flywheel's learning must never lose to it and should
+beat it. The stage therefore always contains plain SFT as its *control* and ships something else only on
+evidence that is not the held-out suite.
+
+    dev split      carve whole train-side clusters of real failures out as a dev split (never the
+                   held-out suite; the gate stays the only judge of held-out items)
+    first pass     SFT over every real train-side correction + replay (earlier waves' corrections, the
+                   champion's verified successes from the regression suite), ``first_pass_epochs`` full
+                   passes, before any synthetic example
+    probe          greedy answers of the first-pass model on train-side tasks, labelled by the derived
+                   verifiers, counted by error kind; the counts aim the synthesis (``flywheel.synth.probe``)
+    arms           from the first-pass checkpoint, each within the same budget (``arm_steps`` optimizer
+                   steps of ``batch_size`` sequences, and at most ``arm_budget_cpu_s`` process CPU-seconds):
+                   control   = continued plain SFT on the real corrections;
+                   targeted  = SFT on real corrections + the synthetic variants the probe asked for;
+                   rpo       = DPO + NLL on preference pairs (the policy's verified failures vs the
+                               corrections; ``flywheel.train.preference``);
+                   grpo      = GRPO on the first-pass model's own rollouts, only when at least
+                               ``grpo_min_signal_groups`` groups carry signal (else skipped, with the count)
+    choice         every arm is decoded greedily on the dev split; the best arm wins only if it passes
+                   strictly more dev items than the control, otherwise the control ships
+    fold-in        the dev items' corrections are trained into the chosen model (``dev_fold_in``), so
+                   no correction is lost to the dev split; the gate then tests one model against the
+                   champion, and its error rate is unchanged
+
+What is recorded: every arm is its own training run (MLflow run, ``training.completed`` and
+``model.registered`` events, as any SFT or GRPO run), and the whole decision is one
+``learning.decided`` event on stream ``learn:<id>`` (arms with their budgets in steps, tokens and
+process CPU-seconds, their dev scores, the probe's error counts, the choice and why), caused by the arm
+runs and models, plus an MLflow run ``learn`` with the same figures. The registered ``challenger`` alias
+ends on the shipped model.
+
+Not guaranteed: that an arm other than the control wins (with a small dev split they often tie, and
+a tie ships the control); that the budgets are equal in CPU-seconds to the second (they are equal in
+steps and sequences, capped in CPU-seconds, and reported in both).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flywheel.artifacts import ArtifactStore
+from flywheel.config import FlywheelConfig
+from flywheel.store import EventStore, NewEvent
+from flywheel.tracking import Tracker
+from flywheel.train.demos import Demonstration, demonstrations_from_tasks
+from flywheel.vocab.ids import digest
+from flywheel.vocab.refs import parse_model_entity
+
+__all__ = ["ARMS", "ArmResult", "LearnResult", "choose_arm", "dev_split", "run_learning", "split_sources"]
+
+#: The arms the stage knows, in the order they train (the control first).
+ARMS = ("control", "targeted", "rpo", "grpo")
+
+Progress = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class ArmResult:
+    """One arm: what it trained, at what cost, and how it did on the dev split."""
+
+    name: str
+    model_version: int | None = None
+    model_entity: str | None = None
+    run_id: str | None = None
+    steps: int = 0
+    tokens: int = 0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    dev_passed: int | None = None
+    dev_items: int = 0
+    skipped: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LearnResult:
+    learn_id: str
+    model_version: int
+    model_entity: str
+    chosen: str
+    why: str
+    arms: list[ArmResult]
+    first_pass: dict[str, Any]
+    dev: dict[str, Any]
+    probe: dict[str, Any] | None = None
+    fold_in: dict[str, Any] | None = None
+    mode: str = "arms"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return int(self.first_pass.get("steps", 0)) + sum(a.steps for a in self.arms) + int((self.fold_in or {}).get("steps", 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["steps"] = self.steps
+        return d
+
+
+# -- data -------------------------------------------------------------------------------------------
+
+
+def _md(task: dict) -> dict:
+    return task.get("metadata") or {}
+
+
+def is_synthetic(task: dict) -> bool:
+    return bool(_md(task).get("synth_batch"))
+
+
+def split_sources(env_tasks: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    """(real train-side evals, synthetic tasks) of a training environment; held-out tasks are dropped."""
+    real, synth = [], []
+    for t in env_tasks:
+        if _md(t).get("split") == "heldout":
+            continue
+        (synth if is_synthetic(t) else real).append(t)
+    return real, synth
+
+
+def dev_split(real: Sequence[dict], *, fraction: float, min_items: int, seed: int = 0) -> set[str]:
+    """Task ids of the dev split: whole clusters of real *failure* evals, chosen by a hash of the cluster.
+
+    Clusters are ranked by ``digest(seed|cluster)`` and taken in that order until ``fraction`` of the
+    failure evals (at least ``min_items``, at most half) are in; the same tasks and seed always give the
+    same split, and a later wave only adds clusters (a cluster's rank never changes).
+    """
+    failures = [t for t in real if _md(t).get("origin_outcome", "failure") == "failure"]
+    if fraction <= 0 or not failures:
+        return set()
+    by_cluster: dict[str, list[str]] = {}
+    for t in failures:
+        by_cluster.setdefault(str(_md(t).get("cluster") or t["task_id"]), []).append(t["task_id"])
+    want = max(min_items, math.ceil(fraction * len(failures)))
+    want = min(want, len(failures) // 2)
+    out: set[str] = set()
+    for c in sorted(by_cluster, key=lambda c: digest(f"dev|{seed}|{c}")):
+        if len(out) >= want:
+            break
+        out.update(by_cluster[c])
+    return out
+
+
+def _without(tasks: Sequence[dict], dev: set[str]) -> list[dict]:
+    """Tasks that are not dev items and do not descend from one (a synthetic variant of a dev task)."""
+    out = []
+    for t in tasks:
+        md = _md(t)
+        seeds = {md.get("seed_task"), *(md.get("seed_tasks") or [])} - {None}
+        if t["task_id"] in dev or seeds & dev:
+            continue
+        out.append(t)
+    return out
+
+
+def choose_arm(arms: Sequence[ArmResult]) -> tuple[str, str]:
+    """The arm to ship: the best on dev if it passes strictly more dev items than the control, else the
+    control. Ties between non-control arms go to the earlier arm in :data:`ARMS` order."""
+    scored = {a.name: a for a in arms if a.skipped is None and a.dev_passed is not None}
+    if "control" not in scored:
+        raise ValueError("choose_arm: the control arm has no dev score")
+    control = scored["control"]
+    best = max(scored.values(), key=lambda a: (a.dev_passed, -ARMS.index(a.name) if a.name in ARMS else -99))
+    if best.name != "control" and (best.dev_passed or 0) > (control.dev_passed or 0):
+        return best.name, (f"{best.name} passed {best.dev_passed}/{best.dev_items} dev items against the control's "
+                           f"{control.dev_passed}/{control.dev_items}")
+    if len(scored) == 1:
+        return "control", "the control was the only arm that trained"
+    others = ", ".join(f"{a.name} {a.dev_passed}" for a in scored.values() if a.name != "control")
+    return "control", (f"no arm beat the control on dev (control {control.dev_passed}/{control.dev_items}; "
+                       f"{others}): the control ships")
+
+
+# -- the stage --------------------------------------------------------------------------------------
+
+
+class _Clock:
+    """Wall and process CPU seconds of one phase (CPU: every thread of this process, torch's included)."""
+
+    def __init__(self) -> None:
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+    def done(self) -> tuple[float, float]:
+        return round(time.perf_counter() - self.t0, 2), round(time.process_time() - self.c0, 2)
+
+
+def _demos(tasks: Sequence[dict], regression: Sequence[dict] = ()) -> list[Demonstration]:
+    return demonstrations_from_tasks(list(tasks), list(regression))
+
+
+def _tokens(res: Any) -> int:
+    return int(sum(h.get("tokens", 0) for h in getattr(res, "history", []) or []))
+
+
+def _dev_score(cfg: FlywheelConfig, tracker: Tracker, version: int, dev_tasks: Sequence[dict]) -> tuple[int, list[str]]:
+    """Greedy pass count of ``model:<name>/<version>`` on the dev tasks (the gate's decoding), and the ids
+    that passed. Infrastructure errors count as not passed for every arm alike."""
+    from flywheel.envs.harness import run_episodes
+    from flywheel.evaluate import decoding_for, item_row
+    from flywheel.policy.base import SamplingParams
+    from flywheel.policy.registry import load_policy_for_version
+
+    d = decoding_for(cfg.gate)
+    params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_new_tokens=d["max_new_tokens"], seed=d["seed"])
+    policy = load_policy_for_version(cfg, tracker, cfg.cycle.model_name, version)
+    episodes = run_episodes(list(dev_tasks), policy, params, context=cfg)
+    passed = [str(t["task_id"]) for t, eps in zip(dev_tasks, episodes, strict=True) if item_row(t, eps)["passed"]]
+    return len(passed), passed
+
+
+def run_learning(
+    cfg: FlywheelConfig,
+    store: EventStore,
+    artifacts: ArtifactStore,
+    tracker: Tracker,
+    *,
+    base: str,
+    correlation_id: str | None = None,
+    progress: Progress | None = None,
+    synthesize: Callable[[dict[str, int]], Any] | None = None,
+) -> LearnResult:
+    """Run the learning stage from ``base`` (a spec or ``model:<name>/<N>``) on the latest training
+    environment and regression suite; returns the shipped model (alias ``challenger``).
+
+    ``synthesize(plan)``: runs the synthesis stage with ``plan`` (variants per generator) and returns its
+    summary; the cycle passes its synth stage here so the probe can aim it. Without it the targeted arm
+    uses whatever synthetic tasks the environment already holds.
+    """
+    from flywheel.train.stage import TrainStageError, train_sft
+    from flywheel.versioning import load_env, load_suite
+
+    t = cfg.train
+    say = progress or (lambda stage, info: None)
+    learn_id = f"learn:{uuid.uuid4().hex[:16]}"
+    env = load_env(store, artifacts, cfg.cycle.train_env)
+    try:
+        regression = [x for x in load_suite(store, artifacts, cfg.cycle.regression_suite).tasks
+                      if _md(x).get("split") != "heldout"]
+    except LookupError:
+        regression = []
+    real, _ = split_sources(env.tasks)
+    dev = dev_split(real, fraction=t.dev_fraction, min_items=t.dev_min_items, seed=t.seed)
+    dev_tasks = [x for x in real if x["task_id"] in dev]
+    train_real = _without(real, dev)
+    real_demos = _demos(train_real, _without(regression, dev))
+    if not real_demos:
+        raise TrainStageError("the learning stage has no demonstrations: no train-side task has a reference answer")
+    dev_info = {"items": len(dev_tasks), "clusters": len({_md(x).get("cluster") for x in dev_tasks}),
+                "train_real": len(train_real), "replay": len(regression)}
+    arms_wanted = [a for a in ARMS if a in t.arms]
+    if not dev_tasks:
+        arms_wanted = ["control"]  # nothing to choose on: the control is what ships
+        dev_info["note"] = "no dev split (too few train-side failures): only the control trains"
+
+    # 1. first pass over the real corrections and replay
+    per_epoch = math.ceil(len(real_demos) / t.batch_size)
+    fp_steps = max(1, math.ceil(per_epoch * t.first_pass_epochs))
+    say("learn", {"status": "running", "phase": "first pass", "demonstrations": len(real_demos), "steps": fp_steps})
+    clock = _Clock()
+    first = train_sft(cfg, store, artifacts, tracker, real_demos, base=base, steps=fp_steps,
+                      on_step=lambda s, m: say("learn", {"phase": "first pass", "step": s, "total": fp_steps,
+                                                         "loss": m.get("loss")}))
+    wall, cpu = clock.done()
+    first_info = {"model_entity": first.model_entity, "model_version": first.model_version, "run_id": first.run_id,
+                  "steps": first.steps, "demonstrations": len(real_demos), "tokens": _tokens(first), "cpu_s": cpu,
+                  "wall_s": wall, "epochs": t.first_pass_epochs, "loss": first.metrics.get("loss")}
+    ckpt = first.model_entity
+
+    # 2. probe: what the first-pass model still gets wrong on train-side tasks aims the synthesis
+    probe_info: dict[str, Any] | None = None
+    if "targeted" in arms_wanted and t.probe_tasks > 0:
+        probe_info = _probe_and_synthesize(cfg, tracker, first.model_version, train_real, synthesize, say)
+        env = load_env(store, artifacts, cfg.cycle.train_env)
+
+    # 3. arms from the first-pass checkpoint, one budget each
+    results: list[ArmResult] = []
+    for name in arms_wanted:
+        say("learn", {"status": "running", "phase": f"arm {name}"})
+        arm = _train_arm(name, cfg, store, artifacts, tracker, ckpt, train_real, regression, env, dev, say,
+                         correlation_id=correlation_id)
+        results.append(arm)
+
+    # 4. dev scores and the choice
+    for arm in results:
+        if arm.skipped is None and arm.model_version is not None and dev_tasks:
+            say("learn", {"status": "running", "phase": f"dev {arm.name}", "items": len(dev_tasks)})
+            arm.dev_passed, passed_ids = _dev_score(cfg, tracker, arm.model_version, dev_tasks)
+            arm.dev_items = len(dev_tasks)
+            arm.detail["dev_passed_ids"] = passed_ids
+    if dev_tasks:
+        chosen, why = choose_arm(results)
+    else:
+        chosen, why = "control", dev_info["note"]
+    winner = next(a for a in results if a.name == chosen)
+    final_version, final_entity = winner.model_version, winner.model_entity
+
+    # 5. fold the dev items' corrections into the shipped model
+    fold: dict[str, Any] | None = None
+    dev_demos = _demos(dev_tasks)
+    if t.dev_fold_in and dev_demos and final_entity:
+        clock = _Clock()
+        steps = max(1, math.ceil(len(dev_demos) / t.batch_size))
+        say("learn", {"status": "running", "phase": "fold-in", "demonstrations": len(dev_demos), "steps": steps})
+        fr = train_sft(cfg, store, artifacts, tracker, dev_demos, base=final_entity, steps=steps)
+        wall, cpu = clock.done()
+        fold = {"model_entity": fr.model_entity, "run_id": fr.run_id, "steps": fr.steps, "demonstrations": len(dev_demos),
+                "tokens": _tokens(fr), "cpu_s": cpu, "wall_s": wall}
+        final_version, final_entity = fr.model_version, fr.model_entity
+    assert final_version is not None and final_entity is not None
+    tracker.set_alias(cfg.cycle.model_name, "challenger", final_version)
+
+    result = LearnResult(learn_id=learn_id, model_version=final_version, model_entity=final_entity, chosen=chosen,
+                         why=why, arms=results, first_pass=first_info, dev=dev_info, probe=probe_info, fold_in=fold)
+    _record(cfg, store, tracker, result, correlation_id=correlation_id)
+    say("learn", {"status": "done", "chosen": chosen, "model": final_entity})
+    return result
+
+
+def _probe_and_synthesize(cfg: FlywheelConfig, tracker: Tracker, version: int, train_real: Sequence[dict],
+                          synthesize: Callable[[dict[str, int]], Any] | None, say: Progress) -> dict[str, Any]:
+    """Greedy answers of the first-pass model on up to ``probe_tasks`` train-side tasks, counted by error
+    kind; when ``synthesize`` is given, the synthesis runs with the plan the counts give."""
+    from flywheel.policy.registry import load_policy_for_version
+    from flywheel.synth.probe import plan_generators, run_probe
+
+    t = cfg.train
+    tasks = sorted(train_real, key=lambda x: digest(f"probe|{t.seed}|{x['task_id']}"))[: t.probe_tasks]
+    say("learn", {"status": "running", "phase": "probe", "tasks": len(tasks)})
+    clock = _Clock()
+    policy = load_policy_for_version(cfg, tracker, cfg.cycle.model_name, version)
+    report = run_probe(policy, tasks, max_new_tokens=cfg.gate.max_new_tokens)
+    budget = max(cfg.synth.per_seed, 1) * len(train_real)
+    plan = plan_generators(report, budget)
+    info: dict[str, Any] = {"tasks": len(tasks), "counts": dict(report.counts), "plan": plan}
+    if synthesize is not None and plan:
+        say("learn", {"status": "running", "phase": "synth (aimed by the probe)", "plan": plan})
+        summary = synthesize(plan)
+        info["synth"] = {k: summary.get(k) for k in ("batch_id", "accepted", "counts") if isinstance(summary, dict)}
+    info["wall_s"], info["cpu_s"] = clock.done()
+    return info
+
+
+def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker,
+               ckpt: str, train_real: list[dict], regression: list[dict], env: Any, dev: set[str], say: Progress,
+               *, correlation_id: str | None) -> ArmResult:
+    from flywheel.train.stage import train_sft
+
+    t = cfg.train
+    arm = ArmResult(name)
+    clock = _Clock()
+    budget = t.arm_budget_cpu_s
+
+    def on_step(s: int, m: dict) -> None:
+        say("learn", {"phase": f"arm {name}", "step": s, "total": t.arm_steps, "loss": m.get("loss")})
+
+    res = None
+    if name == "control":
+        demos = _demos(train_real, _without(regression, dev))
+        res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=t.arm_steps, on_step=on_step,
+                        budget_cpu_s=budget)
+        arm.detail["demonstrations"] = len(demos)
+    elif name == "targeted":
+        _, synth = split_sources(env.tasks)
+        synth = _without(synth, dev)
+        if not synth:
+            arm.skipped = "no synthetic task was accepted for the targeted arm"
+        else:
+            demos = _demos(train_real, _without(regression, dev)) + _demos(synth)
+            res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=t.arm_steps, on_step=on_step,
+                            budget_cpu_s=budget)
+            arm.detail.update(demonstrations=len(demos), synthetic=len(synth))
+    elif name == "rpo":
+        from flywheel.train.preference import pairs_from_tasks, publish_pairs, train_rpo
+
+        pairs = pairs_from_tasks(train_real)
+        if not pairs:
+            arm.skipped = "no preference pair: no train-side failure kept a rejected answer different from its correction"
+        else:
+            pid = publish_pairs(cfg, store, artifacts, pairs, correlation_id=correlation_id)
+            res = train_rpo(cfg, store, artifacts, tracker, pairs, base=ckpt, steps=t.arm_steps, lr=t.rpo_lr or t.sft_lr,
+                            beta=t.rpo_beta, alpha=t.rpo_alpha, on_step=on_step, preferences_id=pid)
+            arm.detail.update(pairs=len(pairs), preferences=pid)
+    elif name == "grpo":
+        res = _grpo_arm(cfg, store, artifacts, tracker, ckpt, dev, arm, on_step, correlation_id=correlation_id)
+    else:  # pragma: no cover - config validation admits only ARMS
+        raise ValueError(f"unknown arm {name!r}")
+    arm.wall_s, arm.cpu_s = clock.done()
+    if res is not None:
+        arm.model_version, arm.model_entity, arm.run_id = res.model_version, res.model_entity, res.run_id
+        arm.steps, arm.tokens = res.steps, _tokens(res)
+    else:
+        say("learn", {"status": "skipped", "phase": f"arm {name}", "why": arm.skipped})
+    return arm
+
+
+def _grpo_arm(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker, ckpt: str,
+              dev: set[str], arm: ArmResult, on_step: Callable[[int, dict], None], *, correlation_id: str | None) -> Any:
+    """Rollouts of the first-pass model; GRPO on them only when enough groups carry signal."""
+    from flywheel.rollouts import run_rollouts
+    from flywheel.train.stage import train_grpo
+
+    t = cfg.train
+    roll = run_rollouts(cfg, store, artifacts, tracker, policy=ckpt, correlation_id=correlation_id)
+    st = dict(roll.stats or {})
+    groups = int(st.get("groups") or 0)
+    signal = int(round(groups * (1.0 - float(st.get("zero_variance_share", 1.0)))))
+    arm.detail.update(rollouts=roll.rollout_id, groups=groups, signal_groups=signal,
+                      zero_variance_share=st.get("zero_variance_share"))
+    if not roll.published:
+        arm.skipped = f"no rollout dataset was published: {roll.reason}"
+        return None
+    if signal < t.grpo_min_signal_groups:
+        arm.skipped = (f"{signal} of {groups} rollout groups carry signal (< train.grpo_min_signal_groups = "
+                       f"{t.grpo_min_signal_groups}): GRPO would spend its budget on a no-op")
+        return None
+    return train_grpo(cfg, store, artifacts, tracker, [roll.rollout_id], base=ckpt, steps=t.arm_steps,
+                      on_step=on_step, exclude_tasks=dev, budget_cpu_s=t.arm_budget_cpu_s)
+
+
+def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnResult, *, correlation_id: str | None) -> None:
+    """``learning.decided`` on ``learn:<id>`` and an MLflow run ``learn`` with every arm's figures."""
+    arms = [asdict(a) for a in r.arms]
+    entities = [x for a in r.arms for x in (a.run_id, a.model_entity) if x]
+    causation = list(dict.fromkeys([r.first_pass["run_id"], r.first_pass["model_entity"], *entities,
+                                    *([r.fold_in["run_id"], r.fold_in["model_entity"]] if r.fold_in else [])]))
+    with tracker.run("learn", consumes=causation, produces=[r.learn_id],
+                     tags={"flywheel.learn": r.learn_id, "flywheel.chosen": r.chosen,
+                           "flywheel.model": r.model_entity}) as run:
+        run.log_params({"chosen": r.chosen, "arms": ",".join(a.name for a in r.arms), "dev_items": r.dev.get("items", 0),
+                        "first_pass_steps": r.first_pass.get("steps"), "arm_steps": cfg.train.arm_steps})
+        metrics: dict[str, float] = {"first_pass.cpu_s": float(r.first_pass["cpu_s"]),
+                                     "first_pass.tokens": float(r.first_pass["tokens"])}
+        for a in r.arms:
+            metrics[f"{a.name}.cpu_s"] = a.cpu_s
+            metrics[f"{a.name}.tokens"] = float(a.tokens)
+            if a.dev_passed is not None:
+                metrics[f"{a.name}.dev_passed"] = float(a.dev_passed)
+        run.log_metrics(metrics, step=0)
+        r.metrics = metrics
+    name, version = parse_model_entity(r.model_entity)
+    store.append(r.learn_id, NewEvent("learning.decided", {
+        "entity_id": r.learn_id, "model": r.model_entity, "model_name": name, "model_version": version,
+        "chosen": r.chosen, "why": r.why, "arms": arms, "first_pass": r.first_pass, "dev": r.dev, "probe": r.probe,
+        "fold_in": r.fold_in,
+    }, causation), correlation_id=correlation_id)

@@ -1,0 +1,78 @@
+"""The learning stage's pure parts (flywheel.train.learn): the dev split, the arm choice, dev isolation."""
+
+from __future__ import annotations
+
+import pytest
+
+from flywheel.train.learn import ArmResult, _without, choose_arm, dev_split, split_sources
+from flywheel.vocab.ids import digest
+
+
+def _task(i: int, cluster: str, *, outcome: str = "failure", split: str = "train", **md) -> dict:
+    return {"task_id": f"eval:{i}", "metadata": {"cluster": cluster, "origin_outcome": outcome, "split": split, **md}}
+
+
+def test_dev_split_takes_whole_clusters_deterministically_and_only_failures():
+    tasks = [_task(i, f"c{i // 3}") for i in range(30)] + [_task(100 + i, f"s{i}", outcome="success") for i in range(5)]
+    dev = dev_split(tasks, fraction=0.2, min_items=4, seed=0)
+    assert dev == dev_split(list(reversed(tasks)), fraction=0.2, min_items=4, seed=0)  # order does not matter
+    assert not any(t.startswith("eval:1") and len(t) == 8 for t in dev)  # no success (eval:100..104)
+    clusters = {t["metadata"]["cluster"] for t in tasks if t["task_id"] in dev}
+    # whole clusters: every member of a chosen cluster is in
+    assert all(t["task_id"] in dev for t in tasks if t["metadata"]["cluster"] in clusters)
+    assert 6 <= len(dev) <= 8  # ceil(0.2 * 30) = 6, rounded up to a whole cluster of 3
+    assert dev != dev_split(tasks, fraction=0.2, min_items=4, seed=1) or len(clusters) == 10
+
+
+def test_dev_split_respects_min_items_and_never_takes_more_than_half():
+    tasks = [_task(i, f"c{i}") for i in range(10)]
+    assert len(dev_split(tasks, fraction=0.01, min_items=4)) == 4
+    assert len(dev_split(tasks, fraction=0.4, min_items=20)) == 5  # capped at half of 10
+    assert dev_split(tasks, fraction=0.0, min_items=4) == set()
+    assert dev_split([], fraction=0.2, min_items=4) == set()
+
+
+def test_a_new_wave_only_adds_dev_clusters():
+    """A cluster's rank is a hash of its name: clusters in an earlier wave's dev split stay there when the
+    fraction is reached by the same clusters (only the cut point moves)."""
+    wave1 = [_task(i, f"c{i}") for i in range(20)]
+    wave2 = wave1 + [_task(100 + i, f"d{i}") for i in range(20)]
+    d1, d2 = dev_split(wave1, fraction=0.2, min_items=1), dev_split(wave2, fraction=0.2, min_items=1)
+    assert len(d2) == 8 and len(d1) == 4
+    ranked = sorted({t["metadata"]["cluster"] for t in wave2}, key=lambda c: digest(f"dev|0|{c}"))
+    assert {f"eval:{int(c[1:]) + (100 if c[0] == 'd' else 0)}" for c in ranked[:8]} == d2
+
+
+def test_synthetic_variants_of_dev_tasks_never_train():
+    real = [_task(1, "a"), _task(2, "b")]
+    synth = [_task(10, "a", synth_batch="synth:x", seed_task="eval:1"),
+             _task(11, "b", synth_batch="synth:x", seed_task="eval:2"),
+             _task(12, "ab", synth_batch="synth:y", seed_task="eval:2", seed_tasks=["eval:2", "eval:1"])]
+    env_real, env_synth = split_sources(real + synth + [_task(3, "h", split="heldout")])
+    assert [t["task_id"] for t in env_real] == ["eval:1", "eval:2"]  # held-out dropped
+    assert [t["task_id"] for t in _without(env_synth, {"eval:1"})] == ["eval:11"]
+    assert [t["task_id"] for t in _without(env_real, {"eval:1"})] == ["eval:2"]
+
+
+def _arm(name: str, dev: int | None, skipped: str | None = None) -> ArmResult:
+    return ArmResult(name, model_version=1, dev_passed=dev, dev_items=10, skipped=skipped)
+
+
+def test_the_control_ships_unless_an_arm_beats_it_strictly_on_dev():
+    assert choose_arm([_arm("control", 5), _arm("targeted", 5), _arm("rpo", 4)])[0] == "control"  # a tie: control
+    name, why = choose_arm([_arm("control", 5), _arm("targeted", 6), _arm("rpo", 7)])
+    assert name == "rpo" and "7/10" in why and "5/10" in why
+    assert choose_arm([_arm("control", 5), _arm("targeted", 7), _arm("rpo", 7)])[0] == "targeted"  # earlier arm on a tie
+    # a skipped arm never wins, whatever it recorded
+    assert choose_arm([_arm("control", 3), _arm("grpo", 9, skipped="no signal")])[0] == "control"
+    assert "only arm" in choose_arm([_arm("control", 3)])[1]
+    with pytest.raises(ValueError, match="control"):
+        choose_arm([_arm("targeted", 3)])
+
+
+def test_config_refuses_arms_without_the_control():
+    from flywheel.config import ConfigError, FlywheelConfig
+
+    with pytest.raises((ValueError, ConfigError), match="control"):
+        FlywheelConfig.model_validate({"train": {"arms": ["rpo", "targeted"]}})
+    assert FlywheelConfig.model_validate({"train": {"mode": "arms", "arms": ["control", "rpo"]}}).train.arms == ["control", "rpo"]
