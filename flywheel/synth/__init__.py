@@ -7,7 +7,11 @@ pass every gate of the funnel::
     generated -> valid -> solvable -> unique -> uncontaminated -> accepted
 
 - :mod:`flywheel.synth.generators`: the pluggable generators (:data:`GENERATORS`: mutate,
-  distractor, parallel, paraphrase) and :func:`generate_candidates`;
+  distractor, parallel, paraphrase, and the targeted schema_values, masked_names, irrelevance),
+  :func:`generate_candidates` (``per_seed`` variants of every seed) and :func:`generate_planned`
+  (a number of variants per generator);
+- :mod:`flywheel.synth.probe`: the probe that aims the synthesis (error kinds of a policy's greedy
+  answers, :func:`plan_generators` from their counts);
 - :mod:`flywheel.synth.funnel`: the gates (validation with the Great Expectations suite,
   solvability, exact/near/semantic dedup, held-out decontamination, difficulty) and
   :class:`Rejection`;
@@ -38,12 +42,16 @@ from flywheel.synth.generators import (
     DistractorGenerator,
     GenContext,
     Generator,
+    IrrelevanceGenerator,
+    MaskedNamesGenerator,
     MutateGenerator,
     ParallelGenerator,
     ParaphraseGenerator,
     Progress,
+    SchemaValuesGenerator,
     build_context,
     generate_candidates,
+    generate_planned,
     make_generators,
     mutate_task,
 )
@@ -59,11 +67,14 @@ __all__ = [
     "DistractorGenerator",
     "GenContext",
     "Generator",
+    "IrrelevanceGenerator",
+    "MaskedNamesGenerator",
     "MutateGenerator",
     "ParallelGenerator",
     "ParaphraseGenerator",
     "Progress",
     "Rejection",
+    "SchemaValuesGenerator",
     "SynthSummary",
     "answer_key",
     "batch_id",
@@ -72,6 +83,7 @@ __all__ = [
     "decontaminate",
     "dedup_candidates",
     "generate_candidates",
+    "generate_planned",
     "make_generators",
     "measure_difficulty",
     "mutate_task",

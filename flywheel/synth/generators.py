@@ -41,6 +41,7 @@ from flywheel.dedup import _canon_number, normalize_text, tokens
 from flywheel.policy.base import Policy, SamplingParams
 from flywheel.split import request_hash, request_key
 from flywheel.synth.keys import LIMITS, SYNTH_VERSION, _canon_value, synth_task_id
+from flywheel.verifiers.matching import standardize_string
 from flywheel.vocab.ids import canonical_json, json_id
 from flywheel.vocab.messages import last_index, request_content_text
 from flywheel.vocab.tools import function_of, tool_name
@@ -627,11 +628,450 @@ class ParaphraseGenerator(Generator):
         return out
 
 
+# -------------------------------------------------------------------------------- schema_values
+_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+           "November", "December")
+
+#: Well-known cities a request may name without their region (as BFCL's requests do: "in New York"
+#: for ``New York, NY``), with their US state (abbreviation, name) or their country.
+CITY_STATES: tuple[tuple[str, str, str], ...] = (
+    ("New York", "NY", "New York"), ("Los Angeles", "CA", "California"), ("Chicago", "IL", "Illinois"),
+    ("Houston", "TX", "Texas"), ("Austin", "TX", "Texas"), ("Seattle", "WA", "Washington"),
+    ("Boston", "MA", "Massachusetts"), ("Miami", "FL", "Florida"), ("Denver", "CO", "Colorado"),
+    ("San Francisco", "CA", "California"), ("Phoenix", "AZ", "Arizona"), ("Atlanta", "GA", "Georgia"),
+    ("Las Vegas", "NV", "Nevada"), ("Nashville", "TN", "Tennessee"), ("New Orleans", "LA", "Louisiana"),
+    ("San Diego", "CA", "California"), ("Philadelphia", "PA", "Pennsylvania"), ("Detroit", "MI", "Michigan"),
+)
+CITY_COUNTRIES: tuple[tuple[str, str], ...] = (
+    ("Tel Aviv", "Israel"), ("Paris", "France"), ("Tokyo", "Japan"), ("Berlin", "Germany"), ("Madrid", "Spain"),
+    ("Rome", "Italy"), ("Cairo", "Egypt"), ("Toronto", "Canada"), ("Sydney", "Australia"), ("Mumbai", "India"),
+    ("Lisbon", "Portugal"), ("Nairobi", "Kenya"), ("Lima", "Peru"), ("Oslo", "Norway"), ("Seoul", "South Korea"),
+    ("Istanbul", "Turkey"), ("Buenos Aires", "Argentina"), ("Amsterdam", "Netherlands"), ("Dublin", "Ireland"),
+    ("Vienna", "Austria"),
+)
+_STATE_FMT = re.compile(r"\bcity,?\s+(?:and\s+)?state\b", re.IGNORECASE)
+_COUNTRY_FMT = re.compile(r"\bcity,?\s+(?:and\s+)?country\b", re.IGNORECASE)
+_ABBR_EXAMPLE = re.compile(r"\b[A-Z][a-z]+(?: [A-Z][a-z]+)*, [A-Z]{2}\b")
+_DATE_FMT = re.compile(r"\b(yyyy|mm|dd)([-/.])(yyyy|mm|dd)\2(yyyy|mm|dd)\b", re.IGNORECASE)
+_ISO_DATE = re.compile(r"\bISO[- ]?8601\b|\bISO date\b|\bISO format\b", re.IGNORECASE)
+_QUOTED = re.compile(r"'([^'\n]{1,40})'|\"([^\"\n]{1,40})\"")
+_DEFAULT_Q = re.compile(r"default(?:s)?(?: value)?(?: is| to| of|:)?\s*(?:'([^'\n]{1,40})'|\"([^\"\n]{1,40})\")",
+                        re.IGNORECASE)
+#: What the ``schema_values`` generator recognises, in the order it prefers one reading of a parameter.
+SCHEMA_FORMATS = ("enum", "date", "city_state", "city_country", "described")
+
+
+def _description(schema: dict) -> str:
+    d = schema.get("description")
+    return d if isinstance(d, str) else ""
+
+
+def _date_strftime(schema: dict) -> str | None:
+    """The ``strftime`` pattern of the date format a string parameter's schema or description
+    states (``yyyy-mm-dd``, ``MM-DD-YYYY``, ``dd/mm/yyyy``, ``ISO 8601``, ``format: date``), or None."""
+    d = _description(schema)
+    m = _DATE_FMT.search(d)
+    if m:
+        parts = [m.group(1).lower(), m.group(3).lower(), m.group(4).lower()]
+        if sorted(parts) == ["dd", "mm", "yyyy"]:
+            return m.group(2).join({"yyyy": "%Y", "mm": "%m", "dd": "%d"}[p] for p in parts)
+        return None
+    if schema.get("format") == "date" or _ISO_DATE.search(d):
+        return "%Y-%m-%d"
+    return None
+
+
+def _described_values(schema: dict) -> tuple[list[str], str | None]:
+    """Quoted example values a description lists (``e.g., 'fastest', 'scenic'``) and its quoted
+    default, if any."""
+    d = _description(schema)
+    vals = list(dict.fromkeys(a or b for a, b in _QUOTED.findall(d)))
+    m = _DEFAULT_Q.search(d)
+    return vals, (m.group(1) or m.group(2)) if m else None
+
+
+def _value_format(schema: dict, v: Any) -> str | None:
+    """Which stated format (:data:`SCHEMA_FORMATS`) the parameter's schema or description gives for
+    the string value ``v``; None when it states none."""
+    if not isinstance(v, str) or isinstance(schema.get("type"), str) and schema.get("type") != "string":
+        return None
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        strs = [e for e in enum if isinstance(e, str)]
+        return "enum" if len(strs) >= 2 and any(standardize_string(e) == standardize_string(v) for e in strs) else None
+    if _date_strftime(schema):
+        return "date"
+    d = _description(schema)
+    if _STATE_FMT.search(d):
+        return "city_state"
+    if _COUNTRY_FMT.search(d):
+        return "city_country"
+    vals, _ = _described_values(schema)
+    if len(vals) >= 2 and any(standardize_string(x) == standardize_string(v) for x in vals):
+        return "described"
+    return None
+
+
+def _format_slots(seed: dict) -> list[dict]:
+    """Reference arguments whose parameter states a format, each value used by one argument only."""
+    calls = seed["reference"]["tool_calls"]
+    usage = Counter(canonical_json(_canon_value(v)) for c in calls for v in (c.get("arguments") or {}).values())
+    out = []
+    for ci, c in enumerate(calls):
+        for p, v in (c.get("arguments") or {}).items():
+            schema = _schema_of(seed["prompt"]["tools"], c["name"], p)
+            if schema is None or usage[canonical_json(_canon_value(v))] != 1:
+                continue
+            kind = _value_format(schema, v)
+            if kind is not None:
+                out.append({"call": ci, "param": p, "value": v, "schema": schema, "format": kind})
+    return out
+
+
+def _one_span(text: str, needles: Sequence[str]) -> tuple[int, int] | None:
+    """The one place ``text`` states any of ``needles`` (spans inside a longer match merged); None
+    when it states none or several."""
+    spans = {m.span() for n in needles if isinstance(n, str) for m in _locate_string(text, n)}
+    outer = {s for s in spans if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in spans)}
+    return next(iter(outer)) if len(outer) == 1 else None
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _date_renderings(d: dt.date, fmt: str) -> list[str]:
+    m = _MONTHS[d.month - 1]
+    return [d.strftime(fmt), d.isoformat(), d.strftime("%m/%d/%Y"), f"{m} {d.day}, {d.year}",
+            f"{m} {_ordinal(d.day)}, {d.year}", f"{d.day} {m} {d.year}", f"{m} {d.day} {d.year}",
+            f"{m}.{d.day}, {d.year}", f"{m[:3]}.{d.day}, {d.year}", f"{m[:3]} {d.day}, {d.year}"]
+
+
+def _parse_date(v: str, fmt: str) -> dt.date | None:
+    for f in (fmt, "%Y-%m-%d"):
+        try:
+            return dt.datetime.strptime(v.strip(), f).date()
+        except ValueError:
+            continue
+    return None
+
+
+def _allowed_values(seed: dict, slot: dict) -> list[Any]:
+    spec = ((seed["verifier"]["expected"][slot["call"]].get("arguments") or {}).get(slot["param"]))
+    vals = spec["one_of"] if _is_one_of(spec) else [spec]
+    return [slot["value"], *[x for x in vals if isinstance(x, str)]]
+
+
+def _format_edit(seed: dict, slot: dict, text: str, rng: random.Random,
+                 taken: set[str]) -> tuple[tuple[int, int], str, Any, list[Any], dict] | None:
+    """(span of the request, its new text, the new reference value, the values the verifier
+    accepts, detail) for one format-stated argument; None when the request does not state its value
+    in one place or no other value fits."""
+    kind, v, schema = slot["format"], slot["value"], slot["schema"]
+
+    def free(c: str) -> bool:
+        return standardize_string(c) not in taken and not _locate_string(text, c)
+
+    if kind == "enum":
+        span = _one_span(text, [v, v.replace("_", " ")])
+        opts = [e for e in schema["enum"] if isinstance(e, str) and standardize_string(e) != standardize_string(v)
+                and free(e) and free(e.replace("_", " "))]
+        if span is None or not opts:
+            return None
+        new = rng.choice(opts)
+        return span, new.replace("_", " "), new, [new], {}
+    if kind == "described":
+        vals, default = _described_values(schema)
+        span = _one_span(text, [v])
+        opts = [x for x in vals if standardize_string(x) != standardize_string(v) and free(x)
+                and (default is None or standardize_string(x) != standardize_string(default))]
+        if span is None or not opts:
+            return None
+        new = rng.choice(opts)
+        return span, new, new, [new], {"described_values": vals, "default": default}
+    if kind == "date":
+        fmt = _date_strftime(schema)
+        old = _parse_date(v, fmt) if fmt else None
+        if old is None:
+            return None
+        span = _one_span(text, _date_renderings(old, fmt))
+        if span is None:
+            return None
+        for _ in range(10):
+            new_d = dt.date(rng.randint(1990, 2030), rng.randint(1, 12), rng.randint(1, 28))
+            if new_d != old:
+                break
+        m = _MONTHS[new_d.month - 1]
+        said = rng.choice([f"{m} {new_d.day}, {new_d.year}", f"{new_d.day} {m} {new_d.year}",
+                           f"{m} {_ordinal(new_d.day)}, {new_d.year}"])
+        new = new_d.strftime(fmt)
+        return span, said, new, [new], {"date_format": fmt}
+    # city_state / city_country: the request names the city (the region maybe in prose), the
+    # answer writes "City, Region" as the description asks.
+    seen = _allowed_values(seed, slot)
+    if not any("," in a for a in seen):
+        return None  # the seed's answer is not a "City, Region" itself: not a city to swap
+    needles = [x for a in seen for x in (a, a.split(",")[0].strip())]
+    span = _one_span(text, needles)
+    if span is None:
+        return None
+    if kind == "city_state":
+        abbr = bool(_ABBR_EXAMPLE.search(_description(schema)))
+        opts = [c for c in CITY_STATES if free(c[0])]
+        if not opts:
+            return None
+        city, code, state = rng.choice(opts)
+        new = f"{city}, {code}" if abbr else f"{city}, {state}"
+        allowed = list(dict.fromkeys([new, f"{city}, {code}", f"{city}, {state}"]))
+        said = city if rng.random() < 0.7 else f"{city}, {state}"
+    else:
+        opts2 = [c for c in CITY_COUNTRIES if free(c[0])]
+        if not opts2:
+            return None
+        city, country = rng.choice(opts2)
+        new = allowed_one = f"{city}, {country}"
+        allowed = [allowed_one]
+        said = city if rng.random() < 0.7 else f"{city} in {country}"
+    return span, said, new, allowed, {}
+
+
+class SchemaValuesGenerator(Generator):
+    """Re-asks a seed with a new value for an argument whose parameter *states a format* (an enum,
+    a date format, "City, State" / "City, Country", quoted example values in the description), the
+    request saying it naturally and the reference writing it as the schema asks. No variant where
+    the schema and description state no format."""
+
+    name = "schema_values"
+
+    def __init__(self, max_args: int = 1):
+        super().__init__(max_args=max_args)
+
+    def applicable(self, seed: dict) -> bool:
+        return _tool_call_seed(seed) and bool(_format_slots(seed))
+
+    def one(self, seed: dict, k: int, rng: random.Random, ctx: GenContext) -> Candidate | None:
+        msgs = copy.deepcopy(seed["prompt"]["messages"])
+        ui = last_index(msgs, "user")
+        if ui is None:
+            return None
+        text = request_content_text(msgs[ui].get("content"))
+        slots = _format_slots(seed)
+        rng.shuffle(slots)
+        taken = {standardize_string(str(s["value"])) for s in slots}
+        edits: list[tuple[tuple[int, int], str, dict, Any, list[Any], dict]] = []
+        for s in slots:
+            if len(edits) >= self.params["max_args"]:
+                break
+            got = _format_edit(seed, s, text, rng, taken)
+            if got is None:
+                continue
+            span, said, new, allowed, extra = got
+            if any(not (span[1] <= a or b <= span[0]) for (a, b), *_ in edits):
+                continue
+            taken.add(standardize_string(str(new)))
+            edits.append((span, said, s, new, allowed, extra))
+        if not edits:
+            return None
+        calls = copy.deepcopy(seed["reference"]["tool_calls"])
+        expected = copy.deepcopy(seed["verifier"]["expected"])
+        for (a, b), said, s, new, allowed, _ in sorted(edits, key=lambda e: -e[0][0]):
+            text = text[:a] + said + text[b:]
+            calls[s["call"]]["arguments"][s["param"]] = new
+            expected[s["call"]].setdefault("arguments", {})[s["param"]] = {"one_of": allowed, "optional": False}
+        msgs[ui] = {**msgs[ui], "content": text}
+        detail = {"changed": [{"call": calls[s["call"]]["name"], "param": s["param"], "format": s["format"],
+                               "from": s["value"], "to": new, "said": said, **extra}
+                              for _, said, s, new, _, extra in edits]}
+        task = _new_task(seed, messages=msgs, tools=copy.deepcopy(seed["prompt"]["tools"]), expected=expected,
+                         reference={"tool_calls": calls}, generator=self.name, params=self.params, detail=detail,
+                         seeds=[seed["task_id"]])
+        return Candidate(task, self.name, [seed["task_id"]])
+
+
+# -------------------------------------------------------------------------------- masked_names
+_MASK_MODES = ("functions", "parameters", "both")
+
+
+def _sub_word(text: str, old: str, new: str) -> str:
+    return re.sub(r"(?<![\w.])" + re.escape(old) + r"(?![\w])", new, text)
+
+
+def _rename_in_schema(schema: Any, pmap: dict[str, str], texts: Callable[[str], str]) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items()}
+    if isinstance(out.get("description"), str):
+        out["description"] = texts(out["description"])
+    props = out.get("properties")
+    if isinstance(props, dict):
+        new_props = {}
+        for p, s in props.items():
+            s2 = dict(s) if isinstance(s, dict) else s
+            if isinstance(s2, dict) and isinstance(s2.get("description"), str):
+                s2["description"] = texts(s2["description"])
+            new_props[pmap.get(p, p)] = s2
+        out["properties"] = new_props
+    if isinstance(out.get("required"), list):
+        out["required"] = [pmap.get(r, r) if isinstance(r, str) else r for r in out["required"]]
+    return out
+
+
+class MaskedNamesGenerator(Generator):
+    """Renames the functions and/or their parameters to neutral names (``fn_3fa2``, ``a_1c9``),
+    consistently in the tools (names, ``required``, descriptions that mention them), the request
+    (names written as identifiers, with ``_`` or ``.``, are replaced; plain words are left alone)
+    and the reference, so the model must choose by the descriptions. ``mode`` "auto" cycles
+    functions / parameters / both with the variant number."""
+
+    name = "masked_names"
+
+    def __init__(self, mode: str = "auto"):
+        if mode not in ("auto", *_MASK_MODES):
+            raise ValueError(f"masked_names mode must be auto|functions|parameters|both, got {mode!r}")
+        super().__init__(mode=mode)
+
+    def one(self, seed: dict, k: int, rng: random.Random, ctx: GenContext) -> Candidate | None:
+        mode = self.params["mode"] if self.params["mode"] != "auto" else _MASK_MODES[k % len(_MASK_MODES)]
+        tools = seed["prompt"]["tools"]
+        fmap: dict[str, str] = {}
+        pmaps: dict[str, dict[str, str]] = {}
+        used: set[str] = set()
+
+        def fresh(prefix: str, width: int) -> str:
+            while True:
+                n = f"{prefix}_{rng.randrange(16 ** width):0{width}x}"
+                if n not in used:
+                    used.add(n)
+                    return n
+
+        for t in tools:
+            fn = function_of(t) or {}
+            name = str(fn.get("name", ""))
+            if mode in ("functions", "both"):
+                fmap[name] = fresh("fn", 4)
+            props = (fn.get("parameters") or {}).get("properties") or {}
+            if mode in ("parameters", "both") and isinstance(props, dict):
+                pmaps[name] = {p: fresh("a", 3) for p in props}
+        if not fmap and not any(pmaps.values()):
+            return None
+        # Every spelling of a function name that the verifier accepts ("a.b" and "a_b").
+        spell = {**{o.replace(".", "_"): n for o, n in fmap.items()}, **fmap}
+
+        def in_docs(s: str, pmap: dict[str, str]) -> str:
+            for o, n in sorted(spell.items(), key=lambda x: -len(x[0])):
+                s = _sub_word(s, o, n)
+            for o, n in sorted(pmap.items(), key=lambda x: -len(x[0])):
+                s = _sub_word(s, o, n)
+            return s
+
+        new_tools = []
+        for t in tools:
+            t2 = copy.deepcopy(t)
+            fn = function_of(t2)
+            name = str(fn.get("name", ""))
+            pmap = pmaps.get(name, {})
+            fn["name"] = fmap.get(name, name)
+            if isinstance(fn.get("description"), str):
+                fn["description"] = in_docs(fn["description"], pmap)
+            if isinstance(fn.get("parameters"), dict):
+                fn["parameters"] = _rename_in_schema(fn["parameters"], pmap, lambda s, m=pmap: in_docs(s, m))
+            new_tools.append(t2)
+
+        def resolve(n: str) -> str:
+            return n if n in pmaps or n in fmap else next((o for o in fmap if o.replace(".", "_") == n), n)
+
+        def rename_call(c: dict) -> dict:
+            orig = resolve(c["name"])
+            pmap = pmaps.get(orig, {})
+            return {**c, "name": spell.get(c["name"], c["name"]),
+                    "arguments": {pmap.get(p, p): v for p, v in (c.get("arguments") or {}).items()}}
+
+        calls = [rename_call(c) for c in seed["reference"]["tool_calls"]]
+        expected = [rename_call(e) for e in seed["verifier"]["expected"]]
+        if calls == seed["reference"]["tool_calls"]:
+            return None  # nothing the answer names was renamed (parameters mode, calls without arguments)
+        msgs = copy.deepcopy(seed["prompt"]["messages"])
+        all_params = {o: n for m in pmaps.values() for o, n in m.items()}
+        code_like = {o: n for o, n in {**spell, **all_params}.items() if "_" in o or "." in o}
+        for i, m in enumerate(msgs):
+            if m.get("role") in ("user", "system") and isinstance(m.get("content"), str):
+                s = m["content"]
+                for o, n in sorted(code_like.items(), key=lambda x: -len(x[0])):
+                    s = _sub_word(s, o, n)
+                msgs[i] = {**m, "content": s}
+        detail = {"mode": mode, "functions": fmap, "parameters": {f: m for f, m in pmaps.items() if m}}
+        task = _new_task(seed, messages=msgs, tools=new_tools, expected=expected, reference={"tool_calls": calls},
+                         generator=self.name, params=self.params, detail=detail, seeds=[seed["task_id"]])
+        return Candidate(task, self.name, [seed["task_id"]])
+
+
+# -------------------------------------------------------------------------------- irrelevance
+#: The reference answer of a task where no call is due (what the policy is trained to say).
+NO_CALL_ANSWER = "None of the available functions can do this, so I will not call any of them."
+
+
+class IrrelevanceGenerator(Generator):
+    """BFCL ``irrelevance`` style: keeps the request, removes the function(s) it needs, keeps the
+    seed's other tools and adds unrelated ones from the pool (the *least* plausible: lowest
+    IDF-weighted overlap with the needed tools' docs and the request); the expected answer is no
+    call (``expected == []``, reference ``{"content": NO_CALL_ANSWER}``), so any call fails."""
+
+    name = "irrelevance"
+
+    def __init__(self, max_tools: int = 3, candidates: int = 8, max_overlap: float = 0.05):
+        super().__init__(max_tools=max_tools, candidates=candidates, max_overlap=max_overlap)
+
+    def one(self, seed: dict, k: int, rng: random.Random, ctx: GenContext) -> Candidate | None:
+        tools = seed["prompt"]["tools"]
+        index_names = [tool_name(t) for t in tools]
+        needed = set()
+        for c in seed["reference"]["tool_calls"]:
+            n = c["name"]
+            alias = [x for x in index_names if x.replace(".", "_") == n]
+            needed.add(n if n in index_names or len(alias) != 1 else alias[0])
+        keep = [copy.deepcopy(t) for t in tools if tool_name(t) not in needed]
+        spellings = set(index_names) | {n.replace(".", "_") for n in index_names}
+        need_words = set().union(*(_words(t) for t in tools if tool_name(t) in needed)) if needed else set()
+        msgs = seed["prompt"]["messages"]
+        ui = last_index(msgs, "user")
+        req_words = set(tokens(request_content_text(msgs[ui].get("content")))) if ui is not None else set()
+        own = need_words | req_words
+        scored = []
+        for name, t in ctx.tool_pool.items():
+            if name in spellings or name.replace(".", "_") in spellings:
+                continue
+            w = _words(t)
+            inter = sum(ctx.idf.get(x, 1.0) for x in w & own)
+            union = sum(ctx.idf.get(x, 1.0) for x in w | own)
+            score = inter / union if union else 0.0
+            if score <= self.params["max_overlap"]:
+                scored.append((score, name))
+        scored.sort()
+        pool = [n for _, n in scored[: self.params["candidates"]]]
+        if not pool:
+            return None
+        n_add = rng.randint(1, min(self.params["max_tools"], len(pool)))
+        picked = sorted(rng.sample(pool, n_add))
+        new_tools = keep
+        for name in picked:
+            new_tools.insert(rng.randint(0, len(new_tools)), copy.deepcopy(ctx.tool_pool[name]))
+        if len(new_tools) > LIMITS["max_tools"]:
+            return None
+        task = _new_task(seed, messages=copy.deepcopy(msgs), tools=new_tools, expected=[],
+                         reference={"content": NO_CALL_ANSWER}, generator=self.name, params=self.params,
+                         detail={"removed": sorted(needed), "added": picked}, seeds=[seed["task_id"]])
+        task["verifier"]["order_sensitive"] = False
+        return Candidate(task, self.name, [seed["task_id"]])
+
+
 GENERATORS: dict[str, type[Generator]] = {
     "mutate": MutateGenerator,
     "distractor": DistractorGenerator,
     "parallel": ParallelGenerator,
     "paraphrase": ParaphraseGenerator,
+    "schema_values": SchemaValuesGenerator,
+    "masked_names": MaskedNamesGenerator,
+    "irrelevance": IrrelevanceGenerator,
 }
 
 
@@ -679,4 +1119,47 @@ def generate_candidates(seeds: list[dict], generators: list[Generator], per_seed
             na += 1
         else:
             out.append(c)
+    return out, na
+
+
+def generate_planned(seeds: list[dict], generators: list[Generator], counts: dict[str, int], *, seed: int = 0,
+                     policy: Policy | None = None, context_seeds: list[dict] | None = None,
+                     progress: Progress | None = None) -> tuple[list[Candidate], int]:
+    """Variants by plan: generator ``g`` makes ``counts[g.name]`` variants, spread round-robin over
+    the seeds it applies to (from an offset hashed from the batch seed and the generator, so small
+    plans do not all start on the same seeds); the ``j``-th pass over the seeds is variant ``k = j``
+    of each, with the same per-variant randomness as :func:`generate_candidates` gives variant ``k``.
+
+    Returns (candidates, generator by generator in the order given, then slot order; number of
+    slots that produced nothing: no applicable seed, or the generator found nothing to vary).
+    Deterministic like :func:`generate_candidates`.
+    """
+    ctx = build_context(context_seeds if context_seeds is not None else seeds, policy=policy, seed=seed)
+    out: list[Candidate] = []
+    na = 0
+    total = sum(max(0, int(counts.get(g.name, 0))) for g in generators)
+    done = 0
+    for g in generators:
+        n = max(0, int(counts.get(g.name, 0)))
+        if n == 0:
+            continue
+        eligible = [s for s in seeds if g.applicable(s)]
+        if not eligible:
+            na += n
+            done += n
+            continue
+        offset = int(json_id([seed, "plan", g.name, g.params], 8), 16) % len(eligible)
+        items = []
+        for j in range(n):
+            s = eligible[(offset + j) % len(eligible)]
+            k = j // len(eligible)
+            content = json_id({key: s.get(key) for key in ("prompt", "verifier", "reference")})
+            rng = random.Random(int(json_id([seed, g.name, g.params, s["task_id"], content, k]), 16))
+            items.append((s, k, rng))
+        got = g.generate(items, ctx)
+        na += sum(1 for c in got if c is None)
+        out += [c for c in got if c is not None]
+        done += n
+        if progress:
+            progress("generate", done, total)
     return out, na

@@ -5,7 +5,8 @@ Records and identity
 --------------------
 - Candidate ids are content hashes ``synth:<16 hex>`` of (prompt, verifier, harness, reference).
 - The batch id ``synth:b-<16 hex>`` hashes the environment name, the suites its seeds come from, the
-  seeds' content, the generators and their parameters, the seed, ``per_seed``, the dedup and
+  seeds' content, the generators and their parameters, the seed, ``per_seed`` (or the plan: variants
+  per generator, when one is given), the dedup and
   decontamination settings, the held-out suite version, and (with the difficulty filter) the policy.
   It deliberately does not hash the environment *version*: accepting a batch creates a new one, and
   re-running the same batch must find the batch already recorded and append nothing.
@@ -44,7 +45,14 @@ from flywheel.synth.funnel import (
     measure_difficulty,
     validate_candidates,
 )
-from flywheel.synth.generators import Candidate, Generator, Progress, generate_candidates, make_generators
+from flywheel.synth.generators import (
+    Candidate,
+    Generator,
+    Progress,
+    generate_candidates,
+    generate_planned,
+    make_generators,
+)
 from flywheel.synth.keys import SYNTH_VERSION, seed_tasks
 from flywheel.verifiers import VerifyContext
 from flywheel.versioning import Suite, add_tasks_to_env, load_env, load_suite
@@ -72,6 +80,7 @@ class SynthSummary:
     seconds: float = 0.0
     accepted_ids: list[str] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
+    plan: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,13 +99,17 @@ class SynthSummary:
             "new": self.new,
             "events_appended": self.events_appended,
             "seconds": round(self.seconds, 3),
+            "plan": dict(self.plan) if self.plan is not None else None,
         }
 
 
 def batch_id(*, env_name: str, suites: Sequence[str], seeds: Sequence[dict], generators: Sequence[Generator],
-             per_seed: int, seed: int, settings: dict, heldout: str | None, policy: str | None = None) -> str:
-    """``synth:b-<16 hex>``; see the module docstring for what it hashes and why."""
+             per_seed: int | None, seed: int, settings: dict, heldout: str | None, policy: str | None = None,
+             plan: dict[str, int] | None = None) -> str:
+    """``synth:b-<16 hex>``; see the module docstring for what it hashes and why (a ``plan`` is
+    hashed only when given, so batches recorded before plans existed keep their ids)."""
     return "synth:b-" + json_id({
+        **({"plan": dict(sorted(plan.items()))} if plan is not None else {}),
         "v": SYNTH_VERSION,
         "env": env_name,
         "suites": sorted(suites),
@@ -181,9 +194,16 @@ def run_synth(
     correlation_id: str | None = None,
     progress: Progress | None = None,
     generator_params: dict[str, dict] | None = None,
+    plan: dict[str, int] | None = None,
 ) -> SynthSummary:
     """Generate, validate, dedup and decontaminate one batch of synthetic tasks from the training
     environment ``env``; add the accepted ones to it as a new version and record the batch.
+
+    ``plan`` (e.g. from :func:`flywheel.synth.probe.plan_generators`): variants per generator for
+    the whole batch, overriding ``generators``/``per_seed`` and ``cfg.synth``; generator ``g`` makes
+    ``plan[g]`` variants spread over the seeds it applies to (:func:`generate_planned`); generators
+    planned at 0 do not run. The plan is hashed into the batch id and recorded in the event payload
+    (``plan``; ``per_seed`` is then None).
 
     Idempotent: the same inputs give the same batch id, and a recorded batch is returned as it was
     (``new=False``) without generating anything or appending an event. Raises ``LookupError`` when
@@ -192,8 +212,18 @@ def run_synth(
     """
     t0 = time.perf_counter()
     scfg = cfg.synth
-    per_seed = scfg.per_seed if per_seed is None else int(per_seed)
-    names = list(generators if generators is not None else scfg.generators)
+    if plan is not None:
+        bad = {g: n for g, n in plan.items() if isinstance(n, bool) or not isinstance(n, int) or n < 0}
+        if bad:
+            raise ValueError(f"plan counts must be non-negative integers, got {bad}")
+        plan = {g: int(n) for g, n in plan.items() if n > 0}
+        names = list(plan)
+        per_seed = None
+        if not names:
+            raise ValueError("the synth plan gives no generator any variant")
+    else:
+        per_seed = scfg.per_seed if per_seed is None else int(per_seed)
+        names = list(generators if generators is not None else scfg.generators)
     if not names:
         raise ValueError("no synth generators selected")
     gens = make_generators(names, generator_params)
@@ -223,7 +253,8 @@ def run_synth(
     }
     uses_policy = difficulty_on or "paraphrase" in names
     bid = batch_id(env_name=cur.name, suites=cur.suites, seeds=seeds, generators=gens, per_seed=per_seed,
-                   seed=scfg.seed, settings=settings, heldout=heldout_ref, policy=policy_id if uses_policy else None)
+                   seed=scfg.seed, settings=settings, heldout=heldout_ref, policy=policy_id if uses_policy else None,
+                   plan=plan)
     recorded = store.read(stream=bid, types="synth.batch_accepted")
     if recorded:
         p = recorded[-1].payload
@@ -233,12 +264,15 @@ def run_synth(
             not_applicable=int(p.get("not_applicable") or 0), seeds=len(p.get("seed_tasks") or []),
             accepted_artifact=p.get("accepted_artifact"), rejected_artifact=p.get("rejected_artifact"),
             decontaminated_against=list(p.get("decontaminated_against") or []), gx=p.get("gx") or {}, new=False,
-            events_appended=0, seconds=time.perf_counter() - t0,
+            events_appended=0, seconds=time.perf_counter() - t0, plan=p.get("plan"),
         )
 
     # -- generate
-    cands, not_applicable = generate_candidates(seeds, gens, per_seed, seed=scfg.seed, policy=policy,
-                                                progress=progress)
+    if plan is not None:
+        cands, not_applicable = generate_planned(seeds, gens, plan, seed=scfg.seed, policy=policy, progress=progress)
+    else:
+        cands, not_applicable = generate_candidates(seeds, gens, int(per_seed or 0), seed=scfg.seed, policy=policy,
+                                                    progress=progress)
     for c in cands:
         c.task["metadata"]["synth_batch"] = bid
     by_id = {c.task_id: c for c in cands}
@@ -332,6 +366,7 @@ def run_synth(
         "generators": {g.name: g.params for g in gens},
         "seed": scfg.seed,
         "per_seed": per_seed,
+        "plan": plan,
         "settings": settings,
         "counts": {k: counts.get(k, 0) for k in FUNNEL},
         "rejected_by_reason": reasons,
@@ -354,4 +389,5 @@ def run_synth(
         rejected_artifact=rej_ref.to_dict(), decontaminated_against=payload["decontaminated_against"],
         gx=payload["gx"], new=True, events_appended=res.appended + int(new_env != cur.entity_id),
         seconds=time.perf_counter() - t0, accepted_ids=[c.task_id for c in accepted], rejections=rejections,
+        plan=plan,
     )
