@@ -23,6 +23,28 @@ Generators (pluggable: :data:`GENERATORS`; each records ``metadata.generator`` a
 - ``paraphrase`` (optional; needs a policy): asks any chat model through the policy interface to
   reword the request, keeping the reference. The output must keep every value the request stated
   (else the candidate is invalid); a paraphrase too close to its seed is caught as a near-duplicate.
+
+Targeted generators (aimed by :mod:`flywheel.synth.probe`; each makes a variant only where it applies)
+----------------------------------------------------------------------------------------------------
+- ``schema_values``: re-asks a seed with a new value for an argument whose parameter *states a
+  format* -- a string ``enum`` (another member), a date format in the description (``yyyy-mm-dd``,
+  ``MM-DD-YYYY``, ISO 8601, ``format: date``: the request says the new date in words, the reference
+  writes it in that format), "City, State" / "City, Country" (the request names a well-known city,
+  usually alone as BFCL's requests do; the reference writes "City, ST" when the description's example
+  abbreviates, and the verifier accepts the abbreviation and the full state name), quoted example
+  values in the description (another one, never the stated default). The request must state the
+  seed's value in exactly one place; no variant where nothing states a format.
+- ``masked_names``: neutral function and/or parameter names (``fn_3fa2``, ``a_1c9``) in the tools,
+  their ``required`` lists and descriptions, the request (identifier-like names only) and the
+  reference, so a memorised name fails and the descriptions must be read.
+- ``irrelevance``: the seed's request with the tools it needs removed and unrelated ones added; the
+  expected answer is no call (``expected: []``, reference ``{"content": NO_CALL_ANSWER}``).
+
+:func:`generate_planned` makes a given number of variants per generator (a probe's plan) instead of
+``per_seed`` variants of every seed.
+
+Not guaranteed: that a swapped enum or example value still fits every other word of the request
+("remove the columns" with ``operation='add'``): the funnel checks the answer, not the prose.
 """
 
 from __future__ import annotations
