@@ -10,8 +10,9 @@ e-mail rule reads ``pass@host`` as an address, and a vendor key before the key-n
 - ``private_key``: PEM/OpenSSH/PGP private key blocks (``-----BEGIN … PRIVATE KEY-----`` to its END
   line, or to the end of the string when the END line is missing), with real or ``\n``-escaped
   line breaks.
-- ``basic_auth``: credentials in a URL (``scheme://user:password@host``) and ``Basic <base64>``
-  values that decode to ``user:password``.
+- ``basic_auth``: credentials in a URL (``scheme://user:password@host``), ``Basic <base64>``
+  values that decode to ``user:password``, and the password of ``curl -u user:password`` /
+  ``--user=user:password``.
 - ``bearer``: ``Bearer <token>`` (HTTP Authorization values).
 - ``jwt``: JSON Web Tokens (``eyJ…`` header, payload, optional signature).
 - ``api_key``: well-known key shapes: OpenAI/Anthropic ``sk-…``, Stripe ``sk_live_…``/``rk_…``, AWS
@@ -26,9 +27,17 @@ e-mail rule reads ``pass@host`` as an address, and a vendor key before the key-n
   ``client_secret``, ``Authorization``, …). Words are split at ``_``, ``-``, ``.``, spaces and
   camelCase steps, so ``AWS_SECRET_ACCESS_KEY=…``, ``DB_PASSWORD=…``, ``clientSecret: "…"`` and
   ``token=…`` match while ``max_tokens=256`` and ``password_reset_url=…`` do not (``\b`` could not
-  do this: ``_`` is a word character). In dicts (tool-call arguments, metadata, tool results parsed
-  from JSON, any object in the trace): a string value whose key is a secret name is replaced whole,
-  whatever it looks like (``{"password": "x y z"}``).
+  do this: ``_`` is a word character). Also ``cookie``, ``session``, ``passcode``, ``otp``, ``pin``,
+  ``privateKeyPem``; a Cookie/Set-Cookie header line whole; an HTTP auth scheme before the value
+  (``Authorization: Token …``); SQL's ``PASSWORD '…'`` / ``IDENTIFIED BY '…'``; whitespace, line breaks
+  included, between a key and its separator (``"password"\n: "…"``). In dicts (the trace at every
+  level: its top-level fields, messages, tool calls beside ``arguments``, arguments, metadata, tool
+  results parsed from JSON): every string under a key that is a secret name is replaced whole, whatever
+  it looks like and however deep (``{"password": "x y z"}``, ``{"password": [...]}``,
+  ``{"credentials": {"pass": …}}``), and so is every string in the ``value`` of a
+  ``{"key"|"name": <secret name>, "value": …}`` pair (OTLP attributes and kvlists, header lists). A
+  JSON Schema's ``properties`` map names parameters, not data: only string values are replaced there,
+  so a tool spec's ``{"password": {"type": "string"}}`` stays a schema.
 - ``card``: 13–19 digit card numbers (spaces or dashes allowed) that pass the Luhn check; digit runs
   that fail Luhn are left alone (order ids, timestamps), and so are digit runs glued to letters or
   ``_`` (hex identifiers such as OTLP trace ids or ``chatcmpl-…`` response ids).
@@ -118,7 +127,7 @@ _ANY_PREFIX_WORDS = r"password|passwd|passphrase|secret|credentials?|contrase(?:
 # ... and words that need a word edge before them (``token`` but not ``tokenizer``'s prefix; compounds
 # of ``key``/``pass`` only with a secret-ish first part: ``api_key``, ``db_pass``; not ``primary_key``).
 _EDGE_WORDS = (
-    r"pwd|token|auth|authorization|apikey|"
+    r"pwd|token|auth|authorization|apikey|cookies?|session|passcode|otp|pin|private[_\-. ]?key[_\-. ]?pem|"
     r"(?:api|access|auth|client|private|secret|signing|encryption|master|account|service|storage|app|consumer|"
     r"subscription|license|licence|db|database)[_\- ]?key|"
     r"(?:db|database|key|smtp|mysql|pg|redis|admin|root|user|mail)[_\- ]?pass"
@@ -137,12 +146,23 @@ _SECRET_KEY = re.compile(rf"[A-Za-z0-9_.\- ]*?{SECRET_KEY_PATTERN}")
 # string) or bare up to whitespace, a quote, ``,`` ``;``, a backslash (an escape in raw JSON) or
 # ``&name=`` (the next query parameter); a bare value never starts with ``<``, ``{`` or ``[``.
 _SECRET_TEXT = (
-    rf"{SECRET_KEY_PATTERN}(?![A-Za-z0-9_])"
-    r"(?:\\*[\"'`])?[ \t]*(?P<sep>:=|=>|==|=|:)[ \t]*"
+    # A Cookie / Set-Cookie header line: every cookie in it, up to the end of the line or a quote.
+    r"(?<![A-Za-z0-9])(?i:(?:set-)?cookie)(?:\\*[\"'`])?[ \t]*:[ \t]*(?P<v6>(?![\"'\\\s])[^\r\n\"'\\]+)"
+    # SQL: ``PASSWORD 'x'``, ``IDENTIFIED BY 'x'`` (CREATE/ALTER USER/ROLE), no separator.
+    r"|(?<![A-Za-z0-9])(?i:password|identified[ \t]+by)[ \t]+'(?P<v7>(?:''|[^'\r\n\\])+)'"
+    rf"|{SECRET_KEY_PATTERN}(?![A-Za-z0-9_])"
+    # whitespace before the separator may be a line break, real or JSON-escaped (``"password"\n:``)
+    r"(?:\\*[\"'`])?(?:\s|\\[nrt])*(?P<sep>:=|=>|==|=|:)[ \t]*"
+    # an HTTP auth scheme before the value (``Authorization: Token abc``; Bearer/Basic have their rules)
+    r"(?:(?i:token|digest|apikey|api-key|key|sso-key)[ \t]+(?=[^\s<]))?"
     r"(?:\"(?P<v1>(?:\\.|[^\"\\\n])+)\"|'(?P<v2>(?:\\.|[^'\\\n])+)'|`(?P<v3>[^`\n]+)`"
     r"|(?P<q4>\\+[\"'])(?P<v4>.+?)(?P=q4)"
     r"|(?P<v5>(?![<{\[])(?:(?!&[A-Za-z0-9_.\-]+=)[^\s'\"`,;\\])+))"
 )
+# A secret-named key in text that is JSON, whatever its value (an object or list under it is walked by
+# key; the text rule only reads scalar values): the key's closing quote, then ``:`` or, for a
+# ``{"key"|"name": <secret name>, "value": ...}`` pair, the end of the string.
+_KEY_HINT = re.compile(rf"{SECRET_KEY_PATTERN}(?![A-Za-z0-9_])(?:\\*[\"'`](?:\s|\\[nrt])*[:=]|\\*[\"'])")
 
 BUILTIN_PATTERNS: dict[str, str] = {
     "private_key": (
@@ -152,6 +172,8 @@ BUILTIN_PATTERNS: dict[str, str] = {
     "basic_auth": (
         r"(?<=://)(?P<url>[^\s/?#@'\"\\<>:]*:[^\s/?#'\"\\<>]+)@(?=[A-Za-z0-9\[])"
         rf"|{_L}(?i:basic)[ \t]+(?P<b64>[A-Za-z0-9+/]{{6,}}={{0,2}})(?![A-Za-z0-9+/=])"
+        # curl/wget ``-u user:password`` / ``--user=user:password`` (quoted or bare): the password part
+        r"|(?<![\w-])(?:-u|--user|--proxy-user)(?:[ \t]+|=)(?P<cq>\\?[\"']?)[^\s:'\"\\]*:(?P<cpw>[^\s'\"\\]+)(?P=cq)"
     ),
     "bearer": rf"{_L}(?i:bearer)[ \t]+[A-Za-z0-9._~+/\-]{{8,}}=*",
     "jwt": rf"{_L}eyJ[A-Za-z0-9_\-]{{10,}}={{0,2}}\.[A-Za-z0-9_\-]{{10,}}={{0,2}}(?:\.[A-Za-z0-9_\-+/=]*)?",
@@ -196,7 +218,7 @@ BUILTIN_ORDER = ["private_key", "basic_auth", "bearer", "jwt", "api_key", "secre
 # line as the secret word, its closing quote (escaped inside a JSON string) and a colon.
 BUILTIN_TRIGGERS: dict[str, str] = {
     "private_key": r"PRIVATE KEY",
-    "basic_auth": r"@|(?i:basic)(?:[ \t]|\\t)",
+    "basic_auth": r"@|(?i:basic)(?:[ \t]|\\t)|-u(?:[ \t=]|\\t)|--user|--proxy-user",
     "bearer": r"(?i:bearer)",
     "jwt": r"eyJ",
     "api_key": r"sk-|pk-|rk-|sk_|pk_|rk_|AKIA|ASIA|ABIA|ACCA|AGPA|AIDA|AIPA|ANPA|ANVA|AROA|APKA|A3T"
@@ -204,8 +226,11 @@ BUILTIN_TRIGGERS: dict[str, str] = {
     r"|-us[0-9]|npm_|pypi-|hf_|[MNO][A-Za-z0-9_\-]{23,25}\.|[0-9]{8}:|sq0|AKC|dop_v1_|shp(?:at|ca|pa|ss)_|dapi"
     r"|sig=",
     # every last word a secret key can end with (compounds end in ``key`` or ``pass``), whole
+    # (whitespace before the separator includes line breaks, real or escaped; a key that ends a string
+    # is a key/value pair's name; SQL ``PASSWORD '...'`` and Cookie headers have no ``=``)
     "secret": r"(?i:password|passwd|passphrase|secret|credentials?|contrase(?:n|ñ)a|pwd|token|auth|authorization"
-    r"|key|pass)(?:\\*[\"'`])?(?:[ \t]|\\t)*[:=]",
+    r"|key|pass|cookies?|session|passcode|otp|pin|pem)(?:(?:\\*[\"'`])?(?:\s|\\[tnr])*[:=]|\\*[\"'])"
+    r"|(?i:password|identified[ \t]+by)(?:[ \t]|\\t)+'",
     "card": r"\d(?:[ -]?\d){12}",
     "email": r"@",
     "phone": r"\+\d|\(\d|\d{3}[ .\-]\d{3}[ .\-]\d{4}",
@@ -296,7 +321,7 @@ def _secret_replacer(name: str) -> Callable[[re.Match[str]], str]:
     token = REPLACEMENT.format(name=name)
 
     def repl(m: re.Match[str]) -> str:
-        for g in ("v1", "v2", "v3", "v4", "v5"):
+        for g in ("v1", "v2", "v3", "v4", "v5", "v6", "v7"):
             if m.group(g) is not None:
                 break
         value = m.group(g)
@@ -320,6 +345,11 @@ def _basic_auth_replacer(name: str) -> Callable[[re.Match[str]], str]:
     def repl(m: re.Match[str]) -> str:
         if m.group("url") is not None:
             return token + m.group(0)[len(m.group("url")):]
+        if m.group("cpw") is not None:
+            if is_placeholder(m.group("cpw")):
+                return m.group(0)
+            start, end = m.start("cpw") - m.start(), m.end("cpw") - m.start()
+            return m.group(0)[:start] + token + m.group(0)[end:]
         b64 = m.group("b64")
         try:
             raw = base64.b64decode(b64 + "=" * (-len(b64) % 4), validate=True).decode("utf-8")
@@ -372,7 +402,8 @@ class Redactor:
                     repl = (lambda t: lambda m: t if _phone_ok(m) else m.group(0))(token)
                 else:
                     repl = token
-                self.rules.append(Rule(name, rx, repl, needs=":=" if name == "secret" else ""))
+                # the secret rule needs a separator, or the quote of SQL's ``PASSWORD 'x'``
+                self.rules.append(Rule(name, rx, repl, needs=":='" if name == "secret" else ""))
         self._always_walk = False
         triggers = [BUILTIN_TRIGGERS[n] for n in BUILTIN_ORDER if n in builtin]
         for name, pattern in rules:
@@ -460,7 +491,7 @@ class Redactor:
                 .replace("\\t", "\t").replace("\\r", "\r").replace("\\b", "\b").replace("\\f", "\f")
                 .replace("\x00", "\\")
             )
-        return self._matches(raw)
+        return self._matches(raw) or (self._keys and _KEY_HINT.search(raw) is not None)
 
     # -- JSON values -----------------------------------------------------------------------------
     def _by_key(self, k: Any, x: Any) -> bool:
@@ -472,17 +503,43 @@ class Redactor:
         self.counts["secret"] += 1
         return self._secret_token
 
-    def value(self, v: Any, *, keys: bool = False) -> Any:
-        """Redact every string in a JSON value; dict keys only when ``keys``. Types are kept; a
-        string under a secret-named key is replaced whole (see the module docstring)."""
+    def _secret_name(self, k: Any) -> bool:
+        return self._keys and type(k) is str and is_secret_key(k)
+
+    def _pair_value_is_secret(self, d: dict[Any, Any]) -> bool:
+        """``{"key"|"name": <a secret name>, "value": ...}``: an OTLP attribute (``{"key":
+        "db.password", "value": {"stringValue": ...}}``, kvlist entries) or a header list entry
+        (``{"name": "Authorization", "value": ...}``). Key-based redaction never saw these: the
+        secret's name is a value, not a key."""
+        if not self._keys or "value" not in d:
+            return False
+        name = d.get("key", d.get("name"))
+        return type(name) is str and is_secret_key(name)
+
+    def _keyed(self, k: Any, x: Any, *, keys: bool = False, schema: bool = False) -> Any:
+        """``x`` redacted as the value of key ``k``: under a secret name every string in it goes,
+        whatever its type (a list, an object, an OTLP ``AnyValue``); types are kept. ``schema``: ``k``
+        names a parameter in a JSON Schema ``properties`` map, whose values are schemas, not data
+        (``{"password": {"type": "string"}}``): only a string there is replaced."""
+        if self._secret_name(k) and (type(x) is str or not schema):
+            return self._all_strings(x)
+        return self.value(x, keys=keys, _parent=k)
+
+    def value(self, v: Any, *, keys: bool = False, _parent: Any = None) -> Any:
+        """Redact every string in a JSON value; dict keys only when ``keys``. Types are kept; every
+        string under a secret-named key (at any depth, in lists and objects under it too) and in the
+        ``value`` of a ``{"key"|"name": <secret name>, "value": ...}`` pair is replaced whole (see the
+        module docstring)."""
         if isinstance(v, str):
             return self.text(v)
         if isinstance(v, list):
             return [self.value(x, keys=keys) for x in v]
         if isinstance(v, dict):
+            pair = self._pair_value_is_secret(v)
+            schema = _parent == "properties"
             out: dict[Any, Any] = {}
             for k, x in v.items():
-                nx = self._secret() if self._by_key(k, x) else self.value(x, keys=keys)
+                nx = self._all_strings(x) if pair and k == "value" else self._keyed(k, x, keys=keys, schema=schema)
                 if keys and isinstance(k, str):
                     nk = self.text(k)
                     if nk != k and (nk in out or nk in v):
@@ -512,7 +569,8 @@ class Redactor:
         """Redact a tool call's ``arguments``: a JSON string is parsed, redacted and re-serialised."""
         if not isinstance(args, str):
             return self.value(args)
-        if not self.rules or not self._matches(args) and "\\u" not in args:
+        if not self.rules or not self._matches(args) and "\\u" not in args \
+                and not (self._keys and _KEY_HINT.search(args)):
             return args
         parsed = _loads_exact(args)
         if parsed is _NOT_JSON:
@@ -545,7 +603,9 @@ class Redactor:
             return rec
         out: dict[str, Any] = {}
         for k, v in rec.items():
-            if k == "messages" and isinstance(v, list):
+            if self._secret_name(k):  # a secret-named field at the top level
+                out[k] = self._all_strings(v)
+            elif k == "messages" and isinstance(v, list):
                 out[k] = [self._message(m) for m in v]
             elif k == "metadata":
                 out[k] = self.value(v, keys=True)
@@ -563,7 +623,7 @@ class Redactor:
             if k == "tool_calls" and isinstance(v, list):
                 out[k] = [self._tool_call(tc) for tc in v]
             else:
-                out[k] = self.value(v)
+                out[k] = self._keyed(k, v)
         return out
 
     def _tool_call(self, tc: Any) -> Any:
@@ -572,20 +632,13 @@ class Redactor:
         out = {}
         for k, v in tc.items():
             if k == "function" and isinstance(v, dict):
-                out[k] = {fk: (self.arguments(fv) if fk == "arguments" else self.value(fv)) for fk, fv in v.items()}
+                # beside ``arguments``, a secret-named field of the function object is checked too
+                out[k] = {fk: (self.arguments(fv) if fk == "arguments" else self._keyed(fk, fv)) for fk, fv in v.items()}
             else:
-                out[k] = self.value(v)
+                out[k] = self._keyed(k, v)
         return out
 
     def _correction(self, c: dict[str, Any]) -> dict[str, Any]:
-        out = self.value(c)
-        calls = c.get("tool_calls")
-        if self._keys and isinstance(calls, list):
-            for i, tc in enumerate(calls):
-                args = tc.get("arguments") if isinstance(tc, dict) else None
-                if isinstance(args, dict):
-                    red = out["tool_calls"][i]["arguments"]
-                    for k, x in args.items():
-                        if isinstance(k, str) and is_secret_key(k) and not isinstance(x, str):
-                            red[k] = self._all_strings(x)
-        return out
+        # A secret-named argument's value may be ``{"one_of": [...]}``: value() replaces every string
+        # under a secret name, whatever its type.
+        return self.value(c)

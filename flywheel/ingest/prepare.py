@@ -243,6 +243,7 @@ class Preparer:
         self.cut: str | None = None
         self.otel = Assembler(path, otel_companions, icfg.max_line_bytes) if fmt == "otel" else None
         self._otel_ready: list[tuple[Line, dict[str, Any]]] = []
+        self._raw_kept: set[int] = set()  # OTLP lines whose raw text a quarantine row holds already
         # Per-batch state, set by _process.
         self._rows = _Rows()
         self._first: dict[str, dict[str, Any]] = {}
@@ -252,6 +253,23 @@ class Preparer:
 
     # quarantine ---------------------------------------------------------------------------------
     def _quarantine(self, b: Batch, line: Line, reason: str, detail: str, replayable: bool = True) -> None:
+        if line.lineno in self._raw_kept:
+            # An OTLP line holds many traces, each quarantined on its own: the line's raw text is stored
+            # once, with the first of them (a replay reads it from there), not once per trace.
+            try:
+                detail = self.redactor.text(utf8_safe(detail))
+            except Exception:  # noqa: BLE001 - quarantining must not fail; unchecked text is never kept
+                detail = utf8_safe(detail.split(":", 1)[0])
+            b.quarantine.append({
+                "file": self.file_name, "file_sha256": self.file_sha, "line": line.lineno, "format": self.fmt,
+                "reason": reason, "detail": detail[:1000], "raw": f"[raw text of line {line.lineno}: stored once, "
+                "with the first record quarantined from it]", "raw_bytes": line.oversize or len(line.data),
+                "replayable": False,
+            })
+            self.content_counts[reason] += 1
+            return
+        if self.fmt == "otel":
+            self._raw_kept.add(line.lineno)
         raw = line.data.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
         try:
             raw = self.redactor.raw(raw)

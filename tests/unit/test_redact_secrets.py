@@ -87,6 +87,9 @@ S = {
     **{f"pw{i}": _pw() for i in range(1, 16)},
     # URL user-info: RFC 3986 wants "!#*..." percent-encoded there, and detect-secrets reads it so
     **{f"url_pw{i}": _r(16) for i in range(1, 6)},
+    # issue 31, finding 5: key names and text forms that passed
+    **{f"f5_{i}": _pw() for i in range(1, 12)},
+    "pem_body": _r(64, _B64), "session": _r(32, _URL), "token_scheme": _r(40, _HEX),
 }
 RSA, RSA_BODY = _pem("RSA PRIVATE KEY")
 EC, EC_BODY = _pem("EC PRIVATE KEY")
@@ -175,6 +178,9 @@ SECRET_CORPUS: list[tuple[str, str, str, list[str]]] = [
     ("prose", ".txt", f"backup of the signing key:\n{PGP}", PGP_BODY),
     ("prose", ".txt", f"{EC}", EC_BODY),
     ("prose", ".txt", f'Tried password="{PASSWORD}" and it failed', [PASSWORD]),
+    # issue 31, finding 5 (c): a PEM body under ``privateKeyPem``; SQL's ``PASSWORD '...'``
+    ("json", ".json", json.dumps({"privateKeyPem": S["pem_body"]}), [S["pem_body"]]),
+    ("code", ".txt", f"ALTER USER app WITH PASSWORD '{S['f5_1']}';", [S["f5_1"]]),
 ]
 
 # Secrets the issue names that detect-secrets does not read in these contexts (no denylisted key,
@@ -197,6 +203,23 @@ BEYOND_ORACLE: list[tuple[str, list[str]]] = [
     (f"client_secret: {S['pw6']}", [S["pw6"]]),
     (f"password: {S['pw7']}", [S["pw7"]]),
     ("DB_PASSWORD: letmein", ["letmein"]),  # a whole config line: even an all-letter value
+    # issue 31, finding 5 (c): key names cookie, session, passcode, otp, pin; the text forms of a
+    # Cookie header, ``Authorization: Token ...`` and ``curl -u user:password``
+    (json.dumps({"cookie": f"sessionid={S['session']}"}), [S["session"]]),
+    (json.dumps({"session": S["session"]}), [S["session"]]),
+    (json.dumps({"passcode": S["f5_3"]}), [S["f5_3"]]),
+    (json.dumps({"otp": "884213"}), ["884213"]),
+    (json.dumps({"pin": "4821"}), ["4821"]),
+    (f"CREATE ROLE reporting LOGIN PASSWORD '{S['f5_2']}'", [S["f5_2"]]),
+    (f"Cookie: session={S['session']}; theme=dark", [S["session"]]),
+    (f"Set-Cookie: sid={S['session']}; Path=/; HttpOnly", [S["session"]]),
+    (f"Authorization: Token {S['token_scheme']}", [S["token_scheme"]]),
+    (f"curl -u admin:{S['f5_4']} https://api.example.com/v1/items", [S["f5_4"]]),
+    (f"curl --user 'deploy:{S['f5_5']}' https://ci.example.com", [S["f5_5"]]),
+    # (d) whitespace, a line break too, between a key and its colon, in text and JSON-escaped
+    (f'{{"password"\n: "{S["f5_6"]}"}}', [S["f5_6"]]),
+    (f'{{"password"\n  :  "{S["f5_7"]}"}}', [S["f5_7"]]),
+    (json.dumps({"arguments": f'{{"password"\n: "{S["f5_8"]}"}}'}), [S["f5_8"]]),
 ]
 
 ORACLE_SKIPPED = {"Base64HighEntropyString", "HexHighEntropyString", "IPPublicDetector"}
