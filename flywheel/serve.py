@@ -49,9 +49,14 @@ Adapters (off unless ``serve.allow_adapter_loading``; :class:`AdapterLoading`)
 - ``lora_path`` must be an absolute path whose real location (symlinks followed) lies in one of
   ``serve.adapter_dirs`` and holds ``adapter_config.json`` and ``adapter_model.safetensors`` (no
   pickled ``.bin`` weights), all inside the allowed directory too.
+- Both endpoints need an API key, on loopback too (``AdapterLoading.api_key``, default the server's;
+  loading is refused at start without one): loading an adapter changes what a model name answers for
+  every client, which is an operator's act, not any local user's (401 otherwise).
 - Names match ``[A-Za-z0-9][A-Za-z0-9._-]{0,63}`` and are refused (409) when reserved (the served
-  model's name, ``default``: the champion's own adapter, any adapter the base policy already
-  carries) or already loaded: a served adapter is never replaced in place; unload it first.
+  model's name, ``default``: the champion's own adapter, the aliases ``champion`` and ``challenger``,
+  every registered model name and alias the registry lists at load time (503 when it cannot be read),
+  any adapter the base policy already carries) or already loaded: a served adapter is never replaced
+  in place; unload it first.
 - An adapter is loaded under a fresh internal name and becomes visible under ``lora_name`` only
   after the load succeeded *and* its ``adapter.loaded`` event was appended to the event store; a
   failed load leaves the served model exactly as it was (:func:`flywheel.policy.models.attach_adapter`)
@@ -86,7 +91,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -148,16 +153,29 @@ class ServeLimits:
         return cls(**{f.name: getattr(sc, f.name) for f in fields(cls)})
 
 
+# The adapter endpoints (vLLM's runtime LoRA API): guarded by the adapter key, always.
+ADAPTER_ROUTES = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+# Names no adapter may take, whatever the registry says: the champion's own adapter (HFPolicy.from_spec)
+# and the registry aliases flywheel moves (a client asking for "champion" must get the champion).
+RESERVED_ADAPTER_NAMES = frozenset({"default", "champion", "challenger"})
+
+
 @dataclass(frozen=True)
 class AdapterLoading:
     """Runtime LoRA loading, enabled by passing this to :func:`create_app`.
 
     ``dirs``: real (symlink-free) directories adapters may be loaded from. ``record``: appends the
     ``adapter.loaded``/``adapter.unloaded`` events; a load whose event cannot be appended is undone.
+    ``api_key``: the key the adapter endpoints require (default: the server's key); one of the two
+    must be set, on loopback too (a local user is not an operator). ``reserved()``: names an adapter
+    may not take beyond :data:`RESERVED_ADAPTER_NAMES` and the served name (every registered model name
+    and alias: :func:`registry_names`), read at each load; when it raises, the load is refused (503).
     """
 
     dirs: tuple[Path, ...]
     record: Recorder
+    api_key: str | None = None
+    reserved: Callable[[], Iterable[str]] | None = None
 
     def __post_init__(self) -> None:
         if not self.dirs:
@@ -621,6 +639,16 @@ class ServeState:
         self.key_bytes = api_key.encode() if api_key else None
         self.hosts = frozenset(allowed_hosts if allowed_hosts is not None else LOOPBACK_HOSTS)
         self.adapter_loading = adapter_loading
+        # The adapter endpoints need a key even where chat does not (loopback): loading an adapter
+        # changes what a model name answers for every client (issue 31, finding 12).
+        self.adapter_key_bytes: bytes | None = None
+        if adapter_loading is not None:
+            key = adapter_loading.api_key or api_key
+            if not key:
+                raise ServeError("adapter loading needs an API key, on loopback too (any local user could "
+                                 "otherwise load weights under a served name): set the server's key "
+                                 "(serve.api_key_env, --api-key-file) or AdapterLoading.api_key")
+            self.adapter_key_bytes = key.encode()
         self.adapters = _Adapters()
         self._inflight = 0
         self._inflight_lock = threading.Lock()
@@ -645,10 +673,13 @@ class ServeState:
         if "*" not in self.hosts and host_name(request.headers.get("host")) not in self.hosts:
             return error_response(ApiError(400, "this server does not answer to that Host header "
                                            "(serve.allowed_hosts)", code="invalid_host"))
-        if self.key_bytes is not None:
+        key = self.key_bytes
+        if request.url.path in ADAPTER_ROUTES and self.adapter_loading is not None:
+            key = self.adapter_key_bytes  # always set with loading on; off, the route answers 403
+        if key is not None:
             header = request.headers.get("authorization", "")
             scheme, _, token = header.partition(" ")
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key_bytes)
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
             if not ok:
                 return error_response(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                                                type_="authentication_error", code="invalid_api_key"))
@@ -775,9 +806,16 @@ class ServeState:
         with adapters.admin:  # a second load of the same name waits here, then finds it taken
             name, base = self.policy_provider()
             table = self.table_for(name, base)
-            reserved = {name, "default"}  # "default": the champion's own adapter (HFPolicy.from_spec)
+            reserved = {name, *RESERVED_ADAPTER_NAMES}
             if hasattr(base, "adapter_names"):
                 reserved |= set(base.adapter_names())
+            if loading.reserved is not None:
+                try:
+                    reserved |= set(loading.reserved())
+                except Exception as e:  # unknown registry names: refuse rather than shadow one
+                    log.error("reading the registered model names failed: %s", e)
+                    raise ApiError(503, "the model registry could not be read to check the adapter name; retry later",
+                                   type_="server_error", code="registry_unavailable") from None
             if req.lora_name in reserved:
                 raise ApiError(409, f"'lora_name' {req.lora_name!r} is reserved on this server", param="lora_name",
                                code="adapter_name_reserved")
@@ -904,6 +942,24 @@ def resolve_api_key(cfg: FlywheelConfig, api_key: str | None, host: str, *, key_
     return key
 
 
+def registry_names(cfg: FlywheelConfig) -> Callable[[], set[str]]:
+    """``reserved()`` for :class:`AdapterLoading`: every registered model name and every alias of one in
+    the MLflow registry (an adapter named like them would shadow them for a client)."""
+    from flywheel.tracking import Tracker
+
+    tracker = Tracker(cfg)
+
+    def names() -> set[str]:
+        out: set[str] = set()
+        for rm in tracker.client.search_registered_models():
+            out.add(rm.name)
+            aliases = getattr(rm, "aliases", None) or {}
+            out.update(aliases.keys() if isinstance(aliases, dict) else (getattr(a, "alias", a) for a in aliases))
+        return out
+
+    return names
+
+
 def adapter_dirs(cfg: FlywheelConfig) -> tuple[Path, ...]:
     """``serve.adapter_dirs`` (relative entries under home), default ``<home>/models`` and the MLflow
     artifact root: where flywheel's own trained and registered adapters live."""
@@ -1028,7 +1084,12 @@ def serve(cfg: FlywheelConfig, model: str | None = None, host: str | None = None
     host = host or cfg.serve.host
     port = cfg.serve.port if port is None else port
     key = resolve_api_key(cfg, api_key, host)
-    loading = AdapterLoading(adapter_dirs(cfg), store_recorder(cfg)) if cfg.serve.allow_adapter_loading else None
+    loading = None
+    if cfg.serve.allow_adapter_loading:
+        if not key:
+            raise ServeError(f"serve.allow_adapter_loading needs an API key, on loopback too: set {cfg.serve.api_key_env}, "
+                             "pass --api-key-file, or set serve.api_key_file")
+        loading = AdapterLoading(adapter_dirs(cfg), store_recorder(cfg), api_key=key, reserved=registry_names(cfg))
     if provider is None:
         provider = static_provider(*build_policy(cfg, model))
     app = create_app(provider, api_key=key, limits=ServeLimits.from_config(cfg.serve),

@@ -57,7 +57,8 @@ def recorded():
 
 @pytest.fixture(scope="module")
 def server(policy, adapter_root, recorded):
-    loading = AdapterLoading((adapter_root,), lambda type_, stream, payload: recorded.append((type_, stream, payload)))
+    loading = AdapterLoading((adapter_root,), lambda type_, stream, payload: recorded.append((type_, stream, payload)),
+                             api_key="adapter-admin-key")  # the adapter endpoints always need one (finding 12)
     app = create_app(static_provider("tiny", policy), limits=ServeLimits(max_tokens=64, max_n=8, max_body_bytes=4096),
                      adapter_loading=loading)
     with run_in_thread(app) as url:
@@ -66,7 +67,7 @@ def server(policy, adapter_root, recorded):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with OpenAIPolicy(server, "tiny", max_concurrency=4, timeout_s=60) as c:
+    with OpenAIPolicy(server, "tiny", max_concurrency=4, timeout_s=60, api_key="adapter-admin-key") as c:
         yield c
 
 

@@ -144,12 +144,18 @@ def _models(url: str) -> list[str]:
     return [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
 
 
-def _load(url: str, name: str, path) -> httpx.Response:
-    return httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=120)
+# The adapter endpoints' key (issue 31, finding 12: required even on loopback).
+ADMIN_KEY = "adapter-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
-def _unload(url: str, name: str) -> httpx.Response:
-    return httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120)
+def _load(url: str, name: str, path, headers=ADMIN) -> httpx.Response:
+    return httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}, timeout=120,
+                      headers=headers)
+
+
+def _unload(url: str, name: str, headers=ADMIN) -> httpx.Response:
+    return httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120, headers=headers)
 
 
 def _lora_layers(policy) -> int:
@@ -173,7 +179,7 @@ def test_adapter_loading_is_off_by_default(tiny_home, good_adapter):
 
 def test_adapter_reserved_and_loaded_names_are_never_replaced(champion, good_adapter, adapter_root):
     rec = Recorder()
-    app = create_app(static_provider("policy", champion), adapter_loading=AdapterLoading((adapter_root,), rec))
+    app = create_app(static_provider("policy", champion), adapter_loading=AdapterLoading((adapter_root,), rec, api_key=ADMIN_KEY))
     with run_in_thread(app) as url:
         before = _chat_ids(url)
         for name in ("default", "policy"):  # the champion's own adapter, the served model's name
@@ -187,6 +193,51 @@ def test_adapter_reserved_and_loaded_names_are_never_replaced(champion, good_ada
         assert _chat_ids(url, "ft") == tuned and _chat_ids(url) == before
         assert _unload(url, "ft").status_code == 200
         assert _models(url) == ["policy"] and _chat_ids(url) == before
+    assert [t for t, _, _ in rec.events] == ["adapter.loaded", "adapter.unloaded"]
+    assert champion.adapter_names() == {"default"}
+
+
+def test_adapter_endpoints_need_a_key_even_on_loopback(champion, good_adapter, adapter_root):
+    """Finding 12: on loopback the adapter endpoints needed no key, so any local user could load an
+    adapter into the served model. Now every load and unload needs the key, whatever the bind address;
+    chat on loopback stays open (no server key here)."""
+    rec = Recorder()
+    with pytest.raises(ServeError, match="API key"):  # no key at all: adapter loading is refused at start
+        create_app(static_provider("policy", champion), adapter_loading=AdapterLoading((adapter_root,), rec))
+    app = create_app(static_provider("policy", champion), adapter_loading=AdapterLoading((adapter_root,), rec,
+                                                                                         api_key=ADMIN_KEY))
+    with run_in_thread(app) as url:
+        before = _chat_ids(url)  # no key needed to chat
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_KEY}):
+            for r in (_load(url, "ft", good_adapter, headers), _unload(url, "ft", headers)):
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert _models(url) == ["policy"] and _chat_ids(url) == before and rec.events == []
+        assert _load(url, "ft", good_adapter).status_code == 200
+        assert _unload(url, "ft").status_code == 200
+    assert [t for t, _, _ in rec.events] == ["adapter.loaded", "adapter.unloaded"]
+
+
+def test_adapter_names_of_registered_models_and_aliases_are_reserved(champion, good_adapter, adapter_root):
+    """Finding 12: only the served name and ``default`` were reserved: a gate-refused challenger could be
+    loaded under the name ``champion``. Now the registry's aliases (champion, challenger) and every
+    registered model name and alias the server is told of are refused (409), and a registry that cannot
+    be read refuses the load rather than guessing."""
+    rec = Recorder()
+    registry = {"names": {"policy", "policy-b", "judge"}, "aliases": {"champion", "challenger", "staging"}}
+    loading = AdapterLoading((adapter_root,), rec, api_key=ADMIN_KEY,
+                             reserved=lambda: registry["names"] | registry["aliases"])
+    with run_in_thread(create_app(static_provider("policy", champion), adapter_loading=loading)) as url:
+        before = _chat_ids(url)
+        for name in ("champion", "challenger", "staging", "policy-b", "judge", "default", "policy"):
+            r = _load(url, name, good_adapter)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "adapter_name_reserved", (name, r.text)
+        assert _models(url) == ["policy"] and _chat_ids(url) == before
+        registry["names"] = None  # the registry cannot be read: set | None raises
+        r = _load(url, "ft", good_adapter)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "registry_unavailable", r.text
+        registry["names"] = set()
+        assert _load(url, "ft", good_adapter).status_code == 200
+        assert _unload(url, "ft").status_code == 200  # the champion fixture is shared: leave it as found
     assert [t for t, _, _ in rec.events] == ["adapter.loaded", "adapter.unloaded"]
     assert champion.adapter_names() == {"default"}
 
@@ -218,7 +269,7 @@ def test_adapter_path_must_lie_in_an_allowed_dir_and_errors_never_echo_paths(
         (str(pickled), 400, "adapter_not_found"),
     ]
     rec = Recorder()
-    app = create_app(static_provider("policy", champion), adapter_loading=AdapterLoading((adapter_root,), rec))
+    app = create_app(static_provider("policy", champion), adapter_loading=AdapterLoading((adapter_root,), rec, api_key=ADMIN_KEY))
     with run_in_thread(app) as url:
         for path, status, code in cases:
             r = _load(url, "ft", path)
@@ -252,7 +303,7 @@ def test_adapter_a_failed_load_leaves_the_served_model_as_it_was(champion, tiny_
     for name, base in (("policy", champion), ("tiny", plain)):
         names, layers = base.adapter_names(), _lora_layers(base)
         rec = Recorder()
-        app = create_app(static_provider(name, base), adapter_loading=AdapterLoading((adapter_root,), rec))
+        app = create_app(static_provider(name, base), adapter_loading=AdapterLoading((adapter_root,), rec, api_key=ADMIN_KEY))
         with run_in_thread(app) as url:
             before = _chat_ids(url)
             for lora_name, path in (("trunc", truncated), ("shape", misshapen)):
@@ -272,7 +323,7 @@ def test_adapter_loads_and_unloads_are_events_in_the_store(cfg, champion, good_a
     from flywheel.store import open_store
 
     app = create_app(static_provider("policy", champion),
-                     adapter_loading=AdapterLoading((adapter_root,), store_recorder(cfg)))
+                     adapter_loading=AdapterLoading((adapter_root,), store_recorder(cfg), api_key=ADMIN_KEY))
     with run_in_thread(app) as url:
         for _ in range(2):
             assert _load(url, "ft", good_adapter).status_code == 200
@@ -293,7 +344,7 @@ def test_adapter_loads_and_unloads_are_events_in_the_store(cfg, champion, good_a
 
 def test_adapter_a_load_or_unload_that_cannot_be_recorded_changes_nothing(champion, good_adapter, adapter_root):
     rec = Recorder(fail_on=("adapter.loaded",))
-    app = create_app(static_provider("policy", champion), adapter_loading=AdapterLoading((adapter_root,), rec))
+    app = create_app(static_provider("policy", champion), adapter_loading=AdapterLoading((adapter_root,), rec, api_key=ADMIN_KEY))
     with run_in_thread(app) as url:
         r = _load(url, "ft", good_adapter)
         assert r.status_code == 503 and r.json()["error"]["code"] == "event_store_unavailable"
@@ -314,7 +365,7 @@ def test_adapter_of_a_replaced_base_is_forgotten_and_recorded(tiny_home, good_ad
     old, new = tiny_policy(tiny_home, name="tiny", version="1"), tiny_policy(tiny_home, name="tiny", version="2")
     current = {"p": ("tiny", old)}
     rec = Recorder()
-    app = create_app(lambda: current["p"], adapter_loading=AdapterLoading((adapter_root,), rec))
+    app = create_app(lambda: current["p"], adapter_loading=AdapterLoading((adapter_root,), rec, api_key=ADMIN_KEY))
     with run_in_thread(app) as url:
         assert _load(url, "ft", good_adapter).status_code == 200
         current["p"] = ("tiny", new)  # a promotion
