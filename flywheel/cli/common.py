@@ -140,8 +140,68 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
     return t
 
 
+def _fit_widths(naturals: list[int], words: list[int], available: int) -> list[int] | None:
+    """Column widths that fit ``available`` cells, or None when the natural widths already fit.
+
+    Each column gets at least its longest word (so a model ref, path or number is never split; only a
+    word longer than the whole table can take is folded), short columns keep their natural width, and
+    the space left is shared evenly by the long ones (wrapped at spaces only where needed).
+    """
+    if sum(naturals) <= available:
+        return None
+    mins = [min(w, n) for w, n in zip(words, naturals, strict=True)]
+    while sum(mins) > available:  # words wider than the table: fold the widest
+        i = mins.index(max(mins))
+        mins[i] -= 1
+    # water-filling: the largest level L with sum(max(min, min(natural, L))) <= available
+    lo, hi = 0, max(naturals)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(max(m, min(n, mid)) for m, n in zip(mins, naturals, strict=True)) <= available:
+            lo = mid
+        else:
+            hi = mid - 1
+    widths = [max(m, min(n, lo)) for m, n in zip(mins, naturals, strict=True)]
+    spare = available - sum(widths)
+    for i in sorted(range(len(widths)), key=lambda j: -naturals[j]):  # leftover cells to the widest
+        if spare <= 0:
+            break
+        add = min(spare, naturals[i] - widths[i])
+        widths[i] += add
+        spare -= add
+    return widths
+
+
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    out.print(table(title, columns, rows))
+    """Print a table that fits the terminal (80 columns when output is not a terminal): columns are
+    never narrower than their longest word, so identifiers are wrapped whole, not split mid-word, and a
+    one-row summary too wide for that is printed as one ``what | value`` line per column."""
+    from rich.cells import cell_len
+
+    t = table(title, columns, rows)
+    def lines(cells: list[Any]) -> list[str]:
+        return [ln for x in cells for ln in out.render_str("" if x is None else str(x)).plain.splitlines()]
+
+    naturals, words = [], []
+    for i, c in enumerate(columns):
+        head, body = lines([c]) or [""], lines([r[i] for r in rows if i < len(r)])
+        # a header wraps at its spaces: the cells' width decides, the header's longest word the minimum
+        naturals.append(max(cell_len(ln) for ln in (body or head)))
+        words.append(max([cell_len(w) for ln in head + body for w in ln.split()] or [0]))
+        naturals[-1] = max(naturals[-1], words[-1])
+    # the default box: one border per column and one more, 1 cell of padding on each side of a cell
+    available = out.width - 3 * len(columns) - 1
+    fits = sum(max(cell_len(ln) for ln in lines([c]) + lines([r[i] for r in rows if i < len(r)]) or [""])
+               for i, c in enumerate(columns)) <= available
+    if not fits and len(rows) == 1 and sum(words) > available:
+        # a one-row summary whose headers alone cannot fit side by side: one line per column instead
+        print_table(title, ["what", "value"], list(zip(columns, rows[0], strict=False)))
+        return
+    widths = None if fits else _fit_widths(naturals, words, available)
+    if widths is not None:
+        for col, w in zip(t.columns, widths, strict=True):
+            col.width = max(w, 1)
+    out.print(t)
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -58,8 +59,18 @@ def _pct(x: Any) -> str:
     return "n/a" if x is None else f"{x:.1%}"
 
 
+_MODEL_REF = re.compile(r"\bmodel:(?=[\w.-]+/\d)")
+
+
+def short_ref(text: Any) -> str:
+    """``model:policy/3`` -> ``policy/3`` in the demo's tables (``--json`` keeps the full entity ids)."""
+    return _MODEL_REF.sub("", str(text))
+
+
 def render(res: dict[str, Any]) -> None:
-    """The demo's closing tables: the two cycles, the scoreboard, lineage, timings."""
+    """The demo's closing tables: the two cycles, the scoreboard, lineage, timings. They fit an
+    80-column terminal: short model refs, pass@1 and its interval in one column, the long text wrapped
+    at spaces (see :func:`flywheel.cli.common.print_table`)."""
     for i, c in enumerate(res["cycles"], start=1):
         out.print(f"\n[bold]cycle {i}[/]")
         print_cycle_summary(c)
@@ -68,19 +79,19 @@ def render(res: dict[str, Any]) -> None:
     for r in board["rows"]:
         g = r["gate"]
         gate = "" if g is None else (
-            f"{g['outcome'].replace('_', ' ')} vs {g['against']}: {g['wins']} wins / {g['losses']} losses, "
-            f"p = {g['p_value']:.4g}" if g.get("p_value") is not None else g["outcome"])
-        rows.append((r["model"] + (" (champion)" if r["champion"] else ""), r["trained"],
-                     f"{r['passed']}/{r['items']} = {_pct(r['pass_rate'])}",
+            f"{g['outcome'].replace('_', ' ')} vs {short_ref(g['against'])}: {g['wins']} wins / "
+            f"{g['losses']} losses, p = {g['p_value']:.4g}" if g.get("p_value") is not None else g["outcome"])
+        rows.append((short_ref(r["model"]) + ("\n(champion)" if r["champion"] else ""), short_ref(r["trained"]),
+                     f"{r['passed']}/{r['items']} = {_pct(r['pass_rate'])}\n"
                      f"[{_pct(r['wilson_lo'])}, {_pct(r['wilson_hi'])}]", gate))
     print_table(f"every gated model on {board['suite']} ({board['items']} held-out items)",
-                ["model", "how it was trained", "held-out pass@1", "95% Wilson", "gate decision"], rows)
-    out.print(f"champion history: {' -> '.join(f'model:policy/{v}' for v in board['champions'])}; "
-              f"final champion {board['final_champion']}")
+                ["model", "how it was trained", "held-out pass@1 (95% Wilson)", "gate decision"], rows)
+    out.print(f"champion history: {' -> '.join(f'policy/{v}' for v in board['champions'])}; "
+              f"final champion {short_ref(board['final_champion'])}")
     for label, lin in board.get("lineage", {}).items():
         waves = ", ".join(f"wave {w}: {n}" for w, n in sorted(lin["by_wave"].items()))
-        out.print(f"lineage of the {label.replace('_', ' ')} {lin['model']}: {lin['traces']} production traces "
-                  f"({waves}); `flywheel trace {lin['model']}` shows them all")
+        out.print(f"lineage of the {label.replace('_', ' ')} {short_ref(lin['model'])}: {lin['traces']} production "
+                  f"traces ({waves}); `flywheel trace {lin['model']}` shows them all")
     if res.get("report"):
         out.print(f"HTML report of the last cycle: {res['report']['path']}")
     print_table("timings (s)", ["step", "seconds"], [(k, v) for k, v in res["timings"].items() if "." not in k])
