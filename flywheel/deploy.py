@@ -19,6 +19,10 @@ Guarantees
   :func:`promote`, :func:`rollback`, the gate (:func:`flywheel.gate.run_gate`), rollouts from the
   champion, the cycle flow, the demo's bootstrap and ``flywheel serve --champion``. (The reverse order, used before, could leave an
   unrecorded champion that ``rollback`` could not resolve.)
+- The alias is moved by compare-and-set (:func:`_record_then_move`): only while the move's event is
+  the last of the deploy stream and the alias still names its ``from``; a move superseded by a later
+  one (a rollback finishing in between) raises :class:`DeploySuperseded` and leaves the alias to the
+  later move, never overwriting it.
 - :func:`rollback` without ``to`` returns to the champion that preceded the current one's latest
   promotion; ``to`` must be a version that was promoted before (rolling back to a never-gated
   version would bypass the gate: promote it instead).
@@ -108,17 +112,54 @@ def find_gate_decision(
     return matches[-1] if matches else None
 
 
+class DeploySuperseded(DeployError):
+    """A move was recorded, but another one was recorded after it before its alias moved: the alias
+    follows the later move (the history's last word), not this one."""
+
+
 def _record_then_move(store: EventStore, tracker: Tracker, name: str, event: NewEvent, expected: int, target: int,
                       correlation_id: str | None) -> int | None:
-    """Append the deployment event (expected version), then move the alias."""
-    res = store.append(deploy_stream(name), event, expected_version=expected, correlation_id=correlation_id)
+    """Append the deployment event (expected version), then move the alias by compare-and-set: only
+    while this event is still the last of the deploy stream and the alias still names the event's
+    ``from_version``. Otherwise a later move (a rollback that finished in between) would be overwritten
+    by this older one (issue 31, finding 11): the later mover completed this move first (it reconciles
+    before acting) and then moved the alias itself. MLflow has no conditional alias update, so a move
+    recorded in the instant between the check and ``set_alias`` is caught by a second look at the
+    stream afterwards, and the alias is then brought to the history's last move."""
+    stream = deploy_stream(name)
+    res = store.append(stream, event, expected_version=expected, correlation_id=correlation_id)
+    mine = expected + 1  # this event's version on the stream
+    expected_alias = event.payload.get("from_version")
+
+    def superseded(now: int) -> DeploySuperseded:
+        last = deployments(store, name)[-1]
+        return DeploySuperseded(
+            f"the {event.type} of model:{name}/{target} is recorded (seq {res.last_seq}), but a later "
+            f"{last.action} to version {last.to_version} (seq {last.seq}, by {last.user}) was recorded before "
+            f"the alias moved; the champion alias follows that one (deploy stream at version {now})")
+
+    now = store.stream_version(stream)
+    if now != mine:
+        raise superseded(now)
     try:
+        alias = tracker.get_alias_version(name, CHAMPION)
+        if alias != expected_alias:
+            raise DeployError(
+                f"the {event.type} of model:{name}/{target} is recorded (seq {res.last_seq}), but the champion "
+                f"alias moved from {expected_alias} to {alias} outside flywheel meanwhile; left as it is "
+                f"(`flywheel status` reports it as diverged)")
         tracker.set_alias(name, CHAMPION, target)
+    except DeployError:
+        raise
     except Exception as e:
         raise DeployError(
             f"the {event.type} of model:{name}/{target} is recorded (seq {res.last_seq}) but moving the "
             f"MLflow alias failed ({e}); the next promote, rollback, gate, rollout or cycle completes it"
         ) from e
+    now = store.stream_version(stream)
+    if now != mine:  # recorded while the alias moved: the history's last move wins
+        reconcile_champion(store, tracker, name)
+        raise superseded(now)
     return res.last_seq
 
 

@@ -202,3 +202,53 @@ def test_finding10_an_alias_move_that_fails_is_completed_later(world, monkeypatc
         assert (r.action, r.champion) == ("completed", 2) and tracker.get_alias_version(name, CHAMPION) == 2
         with pytest.raises(DeployError, match="already the champion"):
             promote(cfg, store, tracker, 2, force=True, reason="again")
+
+
+def test_finding11_a_rollback_between_a_promotions_event_and_its_alias_move_is_not_overwritten(world, monkeypatch):
+    """Issue 31, finding 11: promote recorded 1 -> 2; before it moved the alias, a rollback completed
+    that move and rolled back to 1 (event and alias); then promote set the alias to 2 unconditionally,
+    so the champion was 2 while the history's last word was "back to 1". With compare-and-set the
+    promotion sees it was superseded, leaves the alias to the rollback and says so."""
+    from flywheel.deploy import DeploySuperseded
+
+    cfg, tracker = world
+    name = cfg.cycle.model_name
+    with open_store(cfg) as store:
+        real = store.append
+        raced = []
+
+        def then_a_rollback(stream, *a, **kw):
+            res = real(stream, *a, **kw)
+            if stream.startswith("deploy:") and not raced:
+                raced.append(True)
+                rollback(cfg, store, tracker, reason="interleaved")  # runs to its end before promote goes on
+            return res
+
+        monkeypatch.setattr(store, "append", then_a_rollback)
+        with pytest.raises(DeploySuperseded, match="later rollback to version 1"):
+            promote(cfg, store, tracker, 2, force=True, reason="race")
+        assert raced
+        history = deployments(store, name)
+        assert [(d.action, d.from_version, d.to_version) for d in history] == [
+            ("promote", None, 1), ("promote", 1, 2), ("rollback", 2, 1)]
+        assert tracker.get_alias_version(name, CHAMPION) == 1  # the rollback's, not overwritten
+        assert reconcile_champion(store, tracker, name).action == "in_sync"
+
+
+def test_finding11_an_alias_moved_by_hand_after_the_event_is_not_overwritten(world, monkeypatch):
+    """Compare-and-set on the alias too: moved outside flywheel after the event, it is left alone."""
+    cfg, tracker = world
+    name = cfg.cycle.model_name
+    with open_store(cfg) as store:
+        real = store.append
+
+        def then_by_hand(stream, *a, **kw):
+            res = real(stream, *a, **kw)
+            if stream.startswith("deploy:"):
+                tracker.delete_alias(name, CHAMPION)  # someone in the MLflow UI
+            return res
+
+        monkeypatch.setattr(store, "append", then_by_hand)
+        with pytest.raises(DeployError, match="outside flywheel"):
+            promote(cfg, store, tracker, 2, force=True, reason="race")
+        assert tracker.get_alias_version(name, CHAMPION) is None  # left as the person left it
