@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 __all__ = [
     "bind",
     "is_loopback",
+    "LOOPBACK_HOSTS",
+    "host_name",
+    "allowed_hosts_for",
+    "head_timeout_protocol",
     "CHAT_COMPLETIONS_PATH",
     "HTTPRequestError",
     "backoff_delay",
@@ -48,6 +52,105 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
+
+
+# ------------------------------------------------------------------ servers: Host header, request heads
+# The same checks as ``flywheel serve`` (flywheel/serve.py keeps its own copy for now), for the servers
+# that must not depend on serve's imports (``flywheel collect``).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(header: str | None) -> str | None:
+    """The name in a ``Host`` header, lower-cased, without port or trailing dot; None if malformed.
+    ``"[::1]:8000"`` -> ``"::1"``, ``"Localhost.:80"`` -> ``"localhost"``."""
+    if not header:
+        return None
+    h = header.strip().lower()
+    if h.startswith("["):
+        end = h.find("]")
+        rest = h[end + 1 :] if end > 0 else "?"
+        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return None
+        return h[1:end]
+    name, sep, port = h.rpartition(":")
+    if sep:
+        if not port.isdigit() or ":" in name:
+            return None  # a bare IPv6 address must be bracketed in a Host header (RFC 7230 5.4)
+        h = name
+    return h.rstrip(".") or None
+
+
+def allowed_hosts_for(host: str, extra: tuple[str, ...] | list[str] = ()) -> tuple[str, ...]:
+    """The Host names a server bound to ``host`` answers: loopback names for a loopback bind, the
+    address itself for a specific one, any (``"*"``) for a wildcard bind without ``extra`` (such a
+    server always has an API key, which a rebinding page does not know); plus ``extra``."""
+    more = tuple(h.strip().lower().rstrip(".") for h in extra if h.strip())
+    if "*" in more:
+        return ("*",)
+    if is_loopback(host):
+        return (*LOOPBACK_HOSTS, *more)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return (host.lower().rstrip("."), *more)
+    if ip.is_unspecified:
+        return (*LOOPBACK_HOSTS, *more) if more else ("*",)
+    return (str(ip), *more)
+
+
+def head_timeout_protocol(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol plus a deadline for each request head (as ``flywheel serve``'s).
+
+    uvicorn arms its keep-alive timer only after a response and cancels it on any received byte, so
+    a connection that never completes its head (slowloris) is never closed. Here a timer runs from
+    the connection's start (and from each response) until h11 has parsed a complete head; when it
+    fires first the connection is closed. The body needs its own deadline in the app.
+    """
+    import asyncio
+    import logging
+
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    log = logging.getLogger(__name__)
+
+    class HeadTimeoutH11Protocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a complete head was parsed
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.info("closing a connection that sent no complete request head in %g s", header_timeout_s)
+                self.transport.close()
+
+    return HeadTimeoutH11Protocol
 
 
 # ------------------------------------------------------------------ OpenAI-compatible HTTP clients

@@ -239,6 +239,19 @@ def collect(
                                    "long (exporters batch spans and logs separately, up to 5 s each by default)."),
     max_pending: int = typer.Option(10_000, "--max-pending", help="Traces held in memory at most (oldest written first)."),
     max_body_mb: int = typer.Option(16, "--max-body-mb", help="Largest request body accepted (after gzip), in MiB."),
+    max_trace_mb: int = typer.Option(32, "--max-trace-mb", help="Records held for one trace, in MiB; past it a "
+                                     "request gets 429 and the trace is written at once."),
+    max_held_mb: int = typer.Option(512, "--max-held-mb", help="Records held in memory in all, in MiB; past it "
+                                    "requests get 503 while the oldest traces are written."),
+    max_age_s: float = typer.Option(120.0, "--max-age-s", help="A trace is written this long after its first record, "
+                                    "however busy it still is."),
+    allowed_host: list[str] = typer.Option(None, "--allowed-host", help="A Host header name to answer besides the "
+                                           "bound address (repeatable; '*' = any). Others get 400 (DNS rebinding)."),
+    header_timeout_s: float = typer.Option(10.0, "--header-timeout-s", help="A connection that sends no complete "
+                                           "request head within this is closed."),
+    body_timeout_s: float = typer.Option(30.0, "--body-timeout-s", help="A body not received within this gets 408."),
+    max_connections: int = typer.Option(64, "--max-connections", help="Open connections plus running requests; "
+                                        "past it 503."),
     api_key_env: str = typer.Option("FLYWHEEL_COLLECT_API_KEY", "--api-key-env",
                                     help="Env var holding the API key (requests then need 'Authorization: Bearer <key>')."),
     home: str = HomeOpt,
@@ -253,10 +266,18 @@ def collect(
     """
     import os
 
-    from flywheel.ingest.collect import run  # duckdb, ~0.8 s: off the CLI's start
+    from flywheel.ingest.collect import CollectLimits, run  # duckdb, ~0.8 s: off the CLI's start
+    from flywheel.net import allowed_hosts_for
+    from flywheel.redact import Redactor
 
     if settle_s <= 0 or max_pending < 1 or max_body_mb < 1:
         raise CliError("--settle-s must be > 0, --max-pending and --max-body-mb >= 1")
+    try:
+        limits = CollectLimits(max_trace_bytes=max_trace_mb << 20, max_held_bytes=max_held_mb << 20,
+                               max_age_s=max_age_s, header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+                               max_connections=max_connections)
+    except (ValueError, TypeError) as e:
+        raise CliError(f"collect bounds: {e}") from None
     cfg = load(home, config)
     cfg.ensure_home()
     key = os.environ.get(api_key_env) or None
@@ -271,12 +292,15 @@ def collect(
         console.print(f"wrote {path.name}: {n} trace(s)")
 
     try:
+        # Redacted at the receiver with ingest's rules: nothing reaches the inbox in clear.
         stats = run(target, host=host, port=port, settle_s=settle_s, max_pending=max_pending, api_key=key,
-                    max_body_bytes=max_body_mb << 20, on_listen=listening, on_write=wrote)
+                    max_body_bytes=max_body_mb << 20, on_listen=listening, on_write=wrote, limits=limits,
+                    allowed_hosts=allowed_hosts_for(host, allowed_host or ()), redactor=Redactor.from_config(cfg.ingest))
     except OSError as e:
         raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    d = {"inbox": str(target), "requests": stats.requests, "rejected": stats.rejected, "spans": stats.spans,
-         "log_records": stats.log_records, "traces_written": stats.traces_written, "files": stats.files}
+    d = {"inbox": str(target), "requests": stats.requests, "rejected": stats.rejected, "overloaded": stats.overloaded,
+         "spans": stats.spans, "log_records": stats.log_records, "traces_written": stats.traces_written,
+         "write_errors": stats.write_errors, "files": stats.files}
     if as_json:
         emit_json(d)
         return

@@ -76,7 +76,7 @@ def test_decode_refuses_what_is_not_an_export_request():
 
 def test_http_gzip_json_api_key_and_errors(tmp_path):
     b = Batcher(tmp_path, settle_s=10)
-    client = TestClient(create_app(b, api_key="k3y", max_body_bytes=4096))
+    client = TestClient(create_app(b, api_key="k3y", max_body_bytes=4096, allowed_hosts=("testserver",)))
     body = gzip.compress(json.dumps(spans_request(TID_A, "a1b2c3d4e5f60718")).encode())
     headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
     assert client.post("/v1/traces", content=body, headers=headers).status_code == 401
