@@ -15,7 +15,8 @@ outputs.
 Evals need no separate format: the test source stays the eval's contract (``python_tests`` spec
 ``tests``), and the supervisor decides per run. :func:`compile_io` either returns a plan or raises
 :class:`NotIO` with the first construct outside the subset below; the sandbox then runs the tests
-beside the candidate (``grading: in_process``, see :mod:`flywheel.sandbox`), and the verdict says
+in a process of their own against a proxy of the candidate (``grading: proxy``, see
+:mod:`flywheel.sandbox`), and the verdict says
 which path graded it.
 
 The recognised subset (anything else -> :class:`NotIO`)

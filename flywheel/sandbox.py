@@ -25,9 +25,16 @@ the harness inherits. The harness, still root:
      serialised results come back and **this process** decodes them and applies the checks. The
      candidate's process never holds an expected value, a test name, a nonce or anything else that
      decides the verdict, so the worst it can do is answer.
-   - ``in_process`` -- any other python tests (loops, helpers, fixtures) run beside the candidate in
-     one interpreter, hardened as described under *Covered*; a ``PASS`` record must carry that
-     test's own random token.
+   - ``proxy`` -- any other python tests (loops, helpers, classes). Two workers, two throwaway
+     uids: the candidate's process imports ``solution`` and answers requests over a pipe pair; the
+     test runner, a process of its own that never runs candidate code, executes the tests against a
+     proxy module ``solution``. What crosses is plain data of exact built-in types or an opaque
+     handle (attributes, calls, indexing, ``len``, iteration and ``repr`` forwarded; ``==``,
+     ``hash``, ``type`` the runner's own), so an object whose ``__eq__`` is always True or a walk of
+     ``object.__subclasses__()`` in the candidate's process cannot reach a test (issue 31, finding
+     2; this path was ``in_process``, a name still accepted). The tests, their names and tokens
+     reach init only after the candidate's process was forked, so they were never in its memory;
+     only the runner holds the result channel, and a ``PASS`` carries that test's token.
    - ``grader`` -- shell: the candidate script runs; when it ends every candidate process is killed;
      then the grader (kept in init's memory, never in the writable tree) runs as a *second*
      throwaway uid, from an empty cwd, with a fresh ``/tmp``, the work dir read-only at ``$WORK``
@@ -38,7 +45,7 @@ the harness inherits. The harness, still root:
    SIGKILLs every process still in it. The supervisor then kills and removes the cgroup.
 
 A run **passes only on positive evidence**: every expected test passed (io: the supervisor's own
-checks; in_process: one ``PASS`` per test with its token and a ``DONE`` with the run's token;
+checks; proxy: one ``PASS`` per test with its token and a ``DONE`` with the run's token;
 grader: init saw exit 0), and nothing on the result channel was malformed, duplicated or forged (one
 such record fails every test). Exit status 0, output on stdout, files in the work dir mean nothing.
 A run whose init never reached READY (unshare missing, python missing, mount refused, cgroup join
@@ -69,7 +76,7 @@ All paths:
   forking so that two processes answer, dup2-ing a pipe over the result channel to read what the
   harness writes (a read-back ``PASS`` reveals only that test's token), ``atexit`` handlers and
   threads that write after the tests (the worker ends with ``os._exit``; a run without ``DONE`` fails);
-- reading the tests or expected values: never in the sandbox for ``io``; for ``in_process``/``grader``
+- reading the tests or expected values: never in the sandbox for ``io``; for ``proxy`` only in the runner and for ``grader``
   only in root-owned memory and channels the worker cannot open (``/proc/*/mem``, ``/proc/self/fd``
   are root's once non-dumpable; the host ``/tmp`` is hidden under a tmpfs);
 - fork bombs (``RLIMIT_NPROC`` per throwaway uid and ``pids.max``), memory bombs (``RLIMIT_AS`` per
@@ -83,26 +90,11 @@ data (results are decoded into exact built-in types before any comparison); patc
 modules (the checks run in this process); answering a call twice; results that would make the checks
 expensive (no ``%`` formatting of a result string, no arithmetic on integers over 100,000 bits).
 
-``in_process``:
-
-- frames: ``signal``/``_signal``/``faulthandler`` (a signal handler receives the interrupted frame)
-  and ``ctypes`` are removed from ``sys.modules`` and from every loaded module's namespace, and their
-  import is refused by an audit hook; the hook also refuses ``sys._getframe``,
-  ``sys._current_frames``, ``sys._current_exceptions``, ``sys.settrace``/``setprofile`` (so
-  ``threading.settrace`` too), ``tb_frame``/``gi_frame``/``cr_frame``/``ag_frame``, ``gc`` object
-  walks, new audit hooks, ``code.__new__``, setting ``__code__``/``__class__``, and ``SIGINT`` kills
-  the worker instead of raising ``KeyboardInterrupt`` inside the harness;
-- the harness's own code paths: everything it calls after the candidate's import is bound to local
-  names beforehand (``exec``, ``enumerate``, ``os.write``, ...), and test callables are resolved
-  before the first test runs;
-- what the tests use: they run against a snapshot of ``builtins`` taken before the candidate's import
-  (``type``, ``__build_class__``, ``__import__``, ...); their imports resolve to private copies of the
-  modules imported before the candidate (whatever it later puts in ``sys.modules`` or
-  ``sys.meta_path``, or rebinds in the real ``math`` while a test runs); the class dicts of those
-  modules (``unittest.TestCase.assertEqual``), the real module dicts, the copies, the builtins
-  snapshot and the tests' namespace are restored before every test;
-- a thread the candidate leaves running (it could rebind things between restore and check) fails
-  every test that starts or ends while it runs.
+``proxy``: everything the candidate's process can do to itself (patch builtins or modules, walk
+frames, ``gc`` or ``object.__subclasses__()``, signal handlers, ``ctypes``, threads, ``sys.exit``):
+the tests, their builtins and classes live in the runner's process, another uid, non-dumpable;
+a result that is not plain data is a handle the tests can only forward operations to; a candidate
+that dies or hangs fails the tests still waiting for it.
 
 ``grader`` (shell): files planted for the grader (``json.py``/``sitecustomize.py`` for its python, an
 rc file, ``bin/test``), symlinks into the grader's own files (``/proc/self/cwd/...``), files planted
@@ -115,23 +107,12 @@ Not covered (know these before trusting a reward)
 - ``io``: a reward is as strong as the checks: ``len(f(x)) == 3`` passes for any three items, and
   the candidate sees every input it is called with, so a solution that already knows the expected
   outputs (say, from its prompt) can special-case those inputs.
-- ``in_process``: semantic gaming of weak checks: ``assert f(x) == y`` passes for an object whose
-  ``__eq__`` returns True (write ``type(r) is int`` checks -- or use input -> expected-output tests,
-  which the ``io`` path judges on plain data).
-- ``in_process``: the tests run in the candidate's interpreter, so the per-test tokens are in its
-  memory. Paths the hook cannot see remain: crafted bytecode (a hand-written ``.pyc`` or
-  ``marshal.loads`` data builds code objects that CPython does not verify and that can read the
-  interpreter's memory), CPython memory-safety bugs, objects the candidate reaches through values
-  the tests hand it (a callback's ``__globals__`` is the tests' namespace -- restored before each
-  test, but writable during it), and state deeper than module and class dicts: functions of the
-  tests' modules read the *real* module's globals, and a change the function under test makes to
-  such state (or to instances, closures, C-level state) lasts until the next test.
-  Treat ``in_process`` rewards as "hard to game by common RL hacks", not as a boundary against a
-  targeted exploit; ``io`` rewards are bounded by the checks themselves.
-- ``in_process``: ``signal``, ``faulthandler`` and ``ctypes`` cannot be imported, so neither can
-  modules that import them at load time (``subprocess``, ``asyncio``, ``multiprocessing``); such
-  candidates fail. ``pytest.raises`` (with ``site_packages``) reads ``tb_frame`` and fails there;
-  ``io`` supports ``pytest.raises`` natively.
+- ``proxy``: a handle's forwarded operations run candidate code (``len(obj)``, ``obj.attr``), so
+  checks should compare plain values (``obj.items == [1, 2]``), not trust what an object says
+  about itself; ``bool(handle)`` is True. Tests can pass only plain data and handles to the
+  solution (a callback or an instance of a test-defined class raises ``TypeError``), a class from
+  ``solution`` is a handle (``isinstance(x, solution.C)`` raises), and a candidate exception arrives
+  as the built-in class first in its MRO (a subclass of that name when it is the candidate's own).
 - ``grader``: a grader that executes the candidate's files (``bash $WORK/x.sh``) runs candidate code
   as the grader's uid; the grader should read outputs, not run them.
 - Kernel exploits; side channels; reading world-readable host files (the host filesystem is visible
@@ -199,8 +180,11 @@ _GRACE_S = 1.0
 # pids.max headroom over sandbox.max_processes: init, and bash/the grader between phases.
 _PIDS_HEADROOM = 4
 _CG_PREFIX = "flywheel-sbx-"
-#: Grading paths of ``run_python_tests``: ``auto`` = ``io`` when the tests allow it, else ``in_process``.
-GRADINGS = ("auto", "io", "in_process")
+#: Grading paths of ``run_python_tests``: ``auto`` = ``io`` when the tests allow it, else ``proxy``.
+#: ``proxy``: the tests in a process of their own, the candidate behind a proxy (issue 31, finding 2);
+#: ``in_process`` is its former name, still accepted in specs (the tests no longer run in the
+#: candidate's interpreter under either name).
+GRADINGS = ("auto", "io", "proxy", "in_process")
 
 
 @dataclass(frozen=True)
@@ -598,14 +582,15 @@ def run_python_tests(
     ``candidate_code`` in a fresh sandbox. ``python`` defaults to this interpreter.
 
     ``grading``: ``"auto"`` judges input -> expected-output tests outside the sandbox (``io``) and
-    runs any other tests beside the candidate (``in_process``); ``"io"`` raises ``ValueError`` when
-    the tests are not of that shape; ``"in_process"`` always runs them beside the candidate."""
+    runs any other tests in a process of their own against a proxy of the candidate (``proxy``);
+    ``"io"`` raises ``ValueError`` when the tests are not of that shape; ``"proxy"`` (or its former
+    name ``"in_process"``) always takes the proxy path."""
     if grading not in GRADINGS:
         raise ValueError(f"grading must be one of {GRADINGS}, got {grading!r}")
     names = discover_tests(tests)
     plan: IOPlan | None = None
-    why_not = "grading = in_process"
-    if grading != "in_process":
+    why_not = f"grading = {grading}"
+    if grading not in ("proxy", "in_process"):
         try:
             plan = compile_io(tests)
             if plan.names != names:  # defensive: both parse the same source in the same order
@@ -618,22 +603,8 @@ def run_python_tests(
     if plan is not None:
         return _run(mode="io", candidate=candidate_code, names=names, cfg=cfg, python=python,
                     site_packages=site_packages, extra=plan.driver_setup(), plan=plan, grading="io")
-    extra = {"test_source": tests, "test_imports": _test_imports(tests)}
-    return _run(mode="inproc", candidate=candidate_code, names=names, cfg=cfg, python=python,
-                site_packages=site_packages, extra=extra, plan=None, grading=f"in_process ({why_not})")
-
-
-def _test_imports(source: str) -> list[str]:
-    """Modules the tests import (except ``solution``): the in-process worker imports them before the
-    candidate exists. ``from a import b`` also lists ``a.b``, which may be a submodule."""
-    out: list[str] = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out += [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            out.append(node.module)
-            out += [f"{node.module}.{a.name}" for a in node.names if a.name != "*"]
-    return sorted({n for n in out if n.partition(".")[0] != "solution"})
+    return _run(mode="proxy", candidate=candidate_code, names=names, cfg=cfg, python=python,
+                site_packages=site_packages, extra={"test_source": tests}, plan=None, grading=f"proxy ({why_not})")
 
 
 def run_shell(
@@ -765,7 +736,7 @@ def _run(
 
     uid = (_UID_BASE + secrets.randbelow(_UID_SPAN)) if root_user else None
     grader_uid = None
-    if mode == "shell":
+    if mode in ("shell", "proxy"):  # the grader / the test runner: a second throwaway uid
         grader_uid = uid
         while strong and grader_uid == uid:
             grader_uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
@@ -790,9 +761,13 @@ def _run(
         "fallback_grader_base": str(fallback / "grader") if fallback else "",
     }
     setup.update(extra)
-    if mode == "inproc":
-        setup["tokens"] = [secrets.token_hex(16) for _ in names]
-        setup["done_token"] = secrets.token_hex(16)
+    # What only the trusted side of the sandbox may hold: the harness reads it after it started the
+    # candidate's process (proxy: the tests, their names and tokens never enter that process).
+    secret: dict = {}
+    if mode == "proxy":
+        setup["runner_uid"] = grader_uid
+        secret = {"tokens": [secrets.token_hex(16) for _ in names], "done_token": secrets.token_hex(16),
+                  "tests": setup.pop("tests"), "test_source": setup.pop("test_source")}
     if fallback is not None:
         (fallback / "work").mkdir()
         (fallback / "grader").mkdir()
@@ -824,7 +799,8 @@ def _run(
                 # --ipc: SysV segments and POSIX queues the candidate creates die with the run.
                 ns = ["--pid", "--fork", "--mount-proc", "--kill-child", "--ipc"] + (["--net"] if cfg.network == "none" else [])
                 argv = [shutil.which("unshare") or "unshare", *ns, *argv]
-            payload = marshal.dumps(setup, 4)
+            public = marshal.dumps(setup, 4)
+            payload = b"%08x" % len(public) + public + marshal.dumps(secret, 4)
             deadline = time.monotonic() + float(cfg.wall_seconds) + _GRACE_S * phases
             t_spawn = time.monotonic_ns()
             try:
@@ -917,8 +893,8 @@ def _run(
     if mode == "io":
         assert plan is not None
         per_test, integrity = _judge_io(plan, result_raw, worker)
-    elif mode == "inproc":
-        per_test, integrity = _judge_inproc(names, setup["tokens"], setup["done_token"], result_raw, per_test)
+    elif mode == "proxy":
+        per_test, integrity = _judge_inproc(names, secret["tokens"], secret["done_token"], result_raw, per_test)
     else:
         grader = statuses.get("GRADER")
         if grader == ["EXIT", "0"]:

@@ -18,30 +18,21 @@ pid/mount/network namespaces (``unshare``), with ``argv = [init_fd, result_fd]``
   - ``io``: the driver imports ``solution``, makes each requested call once and writes one line per
     result (``R <index> ok|raise|bad <json>``) to the result channel. It holds no secret: the
     expected values never enter the sandbox, the supervisor judges.
-  - ``inproc``: the free-form tests run beside the candidate. Before the candidate is imported the
-    worker snapshots ``builtins``, imports the modules the tests import and snapshots them (module
-    dicts, and the dicts of classes defined in them) into private copies the tests import, removes
-    ``signal``/``_signal``/``faulthandler``/``ctypes`` from ``sys.modules`` and installs an audit hook
-    that refuses their import and every frame/introspection path it can see. Tests run against the
-    snapshots, restored before each test; a test fails while a thread of the candidate is running.
-    A ``PASS`` record carries that test's own random token, so a record the candidate reads back (or
-    intercepts) reveals nothing about the tests it failed.
+  - ``proxy`` (free-form tests): two workers, two throwaway uids. The *server* imports ``solution``
+    and answers requests (attribute, call, index, len, iteration, repr) over a pipe pair with plain
+    data or opaque handles; the *test runner* never runs candidate code: its ``solution`` is a proxy
+    module, it alone holds the result channel, and a ``PASS`` record carries that test's token. No
+    candidate object, builtin or class can enter the tests' interpreter (issue 31, finding 2).
   - ``shell``: execs bash on the candidate script.
 
-Everything the harness needs after candidate code starts is bound to local names first, so a
-candidate that rebinds module attributes (``os.write``, ``builtins.exec``, this module's functions)
-does not change what is reported. The protocol is line-based text.
+In ``io`` the driver binds what it needs before the candidate's import; a candidate that rebinds
+module attributes (``os.write``, this module's functions) changes only its own answers. Records are
+``\n``-terminated text lines; the proxy's pipe pair carries length-framed messages.
 """
 
 import os
 import sys
 
-# Modules whose objects hand out frames (signal handlers receive one), dump stacks, or poke memory.
-_BLOCKED_MODULES = frozenset({
-    "signal", "_signal", "faulthandler", "ctypes", "_ctypes", "_testcapi", "_testinternalcapi",
-    "_testbuffer", "_testmultiphase", "_testsinglephase", "_testimportmultiple", "_xxsubinterpreters",
-    "_xxinterpchannels", "_xxtestfuzz",
-})
 # PR_SET_NO_NEW_PRIVS = 38, PR_SET_DUMPABLE = 4 (linux/prctl.h).
 _PR_SET_NO_NEW_PRIVS, _PR_SET_DUMPABLE = 38, 4
 # mount(2) flags (linux/mount.h).
@@ -153,9 +144,11 @@ def _one_line(text, limit=300):
 # ---------------------------------------------------------------------------- io: the call driver
 
 
-def _encoder():
+def _encoder(on_other=None):
     """A serialiser of plain data to tagged JSON (see :func:`flywheel.io_tests.decode_value`) that
-    needs no ``json`` import (its ``re`` dependency costs ~6 ms per run)."""
+    needs no ``json`` import (its ``re`` dependency costs ~6 ms per run). ``on_other(v)`` returns the
+    text for a value that is not plain data (the proxy path's handles); without it such a value is
+    ``Unencodable``."""
     try:
         from _json import encode_basestring_ascii as esc
     except ImportError:  # an interpreter without the C accelerator: the slower pure-Python one
@@ -215,6 +208,8 @@ def _encoder():
                 out.append("]")
             out.append("]}")
             return size + 3
+        elif on_other is not None:
+            s = on_other(v)
         else:
             raise Unencodable(f"a {t.__name__} is not plain data")
         if size + len(s) > limit:
@@ -283,254 +278,362 @@ def _worker_io(setup, result_fd, ready=lambda: None):
     exit_(0)
 
 
-# ----------------------------------------------------------------- inproc: tests beside the candidate
+# ------------------------------------------------- proxy: the tests in one process, the candidate in another
 
 
-def _purge_blocked_modules():
-    """Remove frame-handing modules from ``sys.modules`` and from every loaded module's namespace, so
-    the candidate can neither import them (the audit hook refuses the import event) nor reach them
-    through another module (``unittest.signals.signal``)."""
-    blocked = _BLOCKED_MODULES
-    mods = sys.modules
-    gone = [m for name, m in list(mods.items()) if name in blocked or name.partition(".")[0] in blocked]
-    for name in [n for n in list(mods) if n in blocked or n.partition(".")[0] in blocked]:
-        del mods[name]
-    gone_ids = {id(m) for m in gone}
-    for m in list(mods.values()):
-        d = getattr(m, "__dict__", None)
-        if not isinstance(d, dict):
+def _send(fd, text):
+    data = text.encode("utf-8", "surrogatepass")
+    view = memoryview(b"%08x" % len(data) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _recv(fd, limit):
+    """One framed message (``%08x`` length + UTF-8 text), or None at end of file."""
+    head = _read_exact(fd, 8)
+    if head is None:
+        return None
+    try:
+        n = int(head, 16)
+    except ValueError:
+        raise ValueError("malformed frame") from None
+    if n > limit:
+        raise ValueError(f"message larger than {limit} bytes")
+    body = _read_exact(fd, n)
+    if body is None:
+        return None
+    return body.decode("utf-8", "surrogatepass")
+
+
+def _read_exact(fd, n):
+    chunks, got = [], 0
+    while got < n:
+        b = os.read(fd, min(n - got, 1 << 20))
+        if not b:
+            return None
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
+def _decoder(handle):
+    """The inverse of :func:`_encoder` (tags of :func:`flywheel.io_tests.decode_value`), plus
+    ``{"h": n}`` -> ``handle(n)``. Builds exact built-in types only; ValueError on anything else."""
+    import json
+
+    def no_float(s):
+        raise ValueError(f"untagged float {s[:40]!r}")
+
+    def untag(v, depth):
+        if depth > 66:
+            raise ValueError("nested too deeply")
+        if v is None or type(v) in (bool, int, str):
+            return v
+        if type(v) is list:
+            return [untag(x, depth + 1) for x in v]
+        if type(v) is not dict or len(v) != 1:
+            raise ValueError("malformed value")
+        (tag, body), = v.items()
+        if tag == "h" and type(body) is int:
+            return handle(body)
+        if tag == "f" and type(body) is str:
+            return float(body)
+        if tag == "x" and type(body) is str:
+            return int(body, 16)
+        if tag == "b" and type(body) is str:
+            return bytes.fromhex(body)
+        if tag == "c" and type(body) is list and len(body) == 2:
+            a, b = (untag(x, depth + 1) for x in body)
+            return complex(a, b)
+        if tag in ("t", "s", "fs") and type(body) is list:
+            items = [untag(x, depth + 1) for x in body]
+            return tuple(items) if tag == "t" else (set(items) if tag == "s" else frozenset(items))
+        if tag == "d" and type(body) is list:
+            return {untag(k, depth + 1): untag(x, depth + 1) for k, x in body}
+        raise ValueError(f"unknown tag {str(tag)[:20]!r}")
+
+    def decode(text):
+        try:
+            return untag(json.loads(text, parse_float=no_float, parse_constant=no_float), 0)
+        except (RecursionError, TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"malformed value ({type(e).__name__})") from None
+
+    return decode
+
+
+def _worker_server(setup, req_fd, resp_fd, ready=lambda: None):
+    """The candidate's process on the proxy path: imports ``solution`` and answers the test runner's
+    requests (get an attribute, call, index, length, iterate, repr) on it and on the objects it
+    returned, one framed message each. It holds nothing that decides a verdict: no test, expected
+    value, token or result channel; what it returns reaches the tests as plain data or as an opaque
+    handle whose ``==``, ``hash`` and type are the test process's own."""
+    write_exit = os._exit
+    table = []
+    limit_handles = 100_000
+
+    def register(v):
+        if len(table) >= limit_handles:
+            raise ValueError("too many live objects")
+        table.append(v)
+        return '{"h":' + str(len(table) - 1) + "}"
+
+    encode, unencodable = _encoder(register)
+    decode = _decoder(lambda n: table[n])
+
+    def describe(e):
+        try:
+            mro = [c.__name__ for c in type(e).__mro__ if isinstance(c.__name__, str)][:16]
+            msg = str(e)[:1000]
+        except BaseException:  # noqa: BLE001 - a hostile exception still counts as raised
+            mro, msg = ["BaseException"], "unprintable exception"
+        return encode([mro, msg])
+
+    def send(text):
+        try:
+            _send(resp_fd, text)
+        except BaseException:  # noqa: BLE001 - the runner is gone: nothing left to answer
+            write_exit(0)
+
+    sys.path[:0] = [setup["workdir"]]
+    sys.dont_write_bytecode = True
+    ready()
+    try:
+        table.append(__import__("solution"))
+    except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from the candidate included
+        send("raise " + describe(e))
+        write_exit(0)
+    send("ok")
+    while True:
+        try:
+            msg = _recv(req_fd, 1 << 22)
+        except BaseException:  # noqa: BLE001
+            write_exit(0)
+        if msg is None:
+            write_exit(0)
+        try:
+            op, hid, a, b = decode(msg)
+            obj = table[hid]
+            if op == "get":
+                value = getattr(obj, a)
+            elif op == "set":
+                setattr(obj, a, b)
+                value = None
+            elif op == "call":
+                value = obj(*a, **b)
+            elif op == "item":
+                value = obj[a]
+            elif op == "len":
+                value = len(obj)
+            elif op == "iter":
+                value = []
+                for x in obj:
+                    value.append(x)
+                    if len(value) > 1_000_000:
+                        raise ValueError("more than 1,000,000 items")
+            elif op == "repr":
+                value = str(repr(obj))[:1000]
+            else:
+                value = None
+        except BaseException as e:  # noqa: BLE001
+            send("raise " + describe(e))
             continue
-        for k, v in list(d.items()):
-            owner = getattr(v, "__module__", None) if callable(v) else None
-            if id(v) in gone_ids or (isinstance(owner, str) and owner.partition(".")[0] in blocked):
-                del d[k]
+        try:
+            send("ok " + encode(value))
+        except unencodable as e:
+            send("bad " + encode(str(e)))
+        except BaseException as e:  # noqa: BLE001 - a container whose iteration raises, a RecursionError
+            send("bad " + encode(type(e).__name__))
 
 
-def _install_audit_hook():
-    """Refuse the introspection paths that would let candidate code read the harness's secrets or
-    rewrite its frames. ValueError is what stdlib callers of ``sys._getframe`` (typing, enum,
-    collections.namedtuple) already catch, so ordinary code keeps working."""
-    blocked_get = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
-    blocked_set = frozenset({"__code__", "__class__"})
-    blocked_events = frozenset({
-        "sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys.settrace",
-        "sys.setprofile", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "code.__new__",
-        "function.__new__",
-    })
-    blocked_modules = _BLOCKED_MODULES
-    startswith, partition, realpath = str.startswith, str.partition, os.path.realpath
-
-    def hook(event, args):
-        if event in blocked_events:
-            raise ValueError(f"sandbox: {event} is not allowed")
-        if event == "import":
-            if args and isinstance(args[0], str) and partition(args[0], ".")[0] in blocked_modules:
-                raise ImportError(f"sandbox: importing {args[0]} is not allowed")
-        elif event == "sys.addaudithook":
-            raise RuntimeError("sandbox: audit hooks are not allowed")  # RuntimeError: silently not added
-        elif startswith(event, "ctypes."):
-            raise ValueError(f"sandbox: {event} is not allowed")
-        elif event == "object.__getattr__":
-            if len(args) > 1 and args[1] in blocked_get:
-                raise ValueError(f"sandbox: access to .{args[1]} is not allowed")
-        elif event == "object.__setattr__":
-            if len(args) > 1 and args[1] in blocked_set:
-                raise ValueError(f"sandbox: setting .{args[1]} is not allowed")
-        elif event == "open" and args and isinstance(args[0], str) and startswith(args[0], "/proc"):
-            # Non-dumpable already makes these root-only; this names the refusal.
-            p = realpath(args[0])
-            if p.endswith(("/mem", "/pagemap", "/environ")):
-                raise PermissionError(f"sandbox: opening {p} is not allowed")
-
-    sys.addaudithook(hook)
-
-
-def _worker_inproc(setup, result_fd, test_imports, ready=lambda: None):
-    """Runs in the forked worker, after privileges are dropped. Never returns."""
+def _worker_tests(setup, result_fd, req_fd, resp_fd, ready=lambda: None):
+    """The test runner on the proxy path: a process of its own (another uid) that never runs candidate
+    code. ``solution`` is a proxy module whose attributes are requested from the candidate's process;
+    results arrive as plain data of exact built-in types or as opaque handles (:class:`Remote`), so an
+    object whose ``__eq__`` is always True, an int subclass, a patched builtin or a walk of
+    ``object.__subclasses__()`` in the candidate's process cannot reach the tests (issue 31, finding 2)."""
     import builtins
+    import types
 
-    # --- everything used after the candidate's import is bound here, before it exists
-    write, exit_, getpid = os.write, os._exit, os.getpid
-    exec_, compile_, range_, len_ = exec, compile, range, len
-    isinstance_, issubclass_, getattr_, setattr_, delattr_ = isinstance, issubclass, getattr, setattr, delattr
-    callable_, type_, str_, repr_, list_, dict_ = callable, type, str, repr, list, dict
-    base_exc = BaseException
-    dict_clear, dict_update, dict_items = dict.clear, dict.update, dict.items
-    str_partition = str.partition
-    one_line = _one_line
-    tokens = list_(setup["tokens"])
+    write, exit_ = os.write, os._exit
+    tokens = list(setup["tokens"])
     done_token = setup["done_token"]
-    names = list_(setup["tests"])
-    n_tests = len_(names)
-    my_pid = getpid()
+    names = list(setup["tests"])
 
     def report(line):
-        # A forked copy (the candidate called os.fork) must not report: it would be a second guess.
-        if getpid() != my_pid:
-            exit_(0)
         try:
             write(result_fd, (line + "\n").encode("utf-8", "replace"))
-        except base_exc:
+        except BaseException:  # noqa: BLE001
             exit_(3)
+
+    class CandidateGone(RuntimeError):
+        pass
+
+    state = {"gone": None}
+    # Exceptions raised in the candidate's process come back by name; the tests see the built-in class
+    # named first in the exception's MRO (a subclass of the same name when the candidate's own class
+    # raised), so `pytest.raises(ValueError)` and `except KeyError` work as in one process.
+    builtin_exc = {k: v for k, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+
+    def rebuild(mro, msg):
+        base = next((builtin_exc[n] for n in mro if n in builtin_exc), Exception)
+        if base in (SystemExit, KeyboardInterrupt, GeneratorExit, BaseException):
+            base = RuntimeError
+        if not mro or mro[0] == base.__name__:
+            return base(msg)
+        return type(str(mro[0])[:100], (base,), {"__module__": "solution"})(msg)
+
+    def ask(op, hid, a=None, b=None):
+        if state["gone"]:
+            raise CandidateGone(state["gone"])
+        try:
+            _send(req_fd, encode([op, hid, a, b]))
+        except unencodable as e:
+            raise TypeError(f"cannot pass this to the solution (tests and solution run in separate processes; "
+                            f"only plain data and objects the solution returned cross): {e}") from None
+        except OSError:
+            state["gone"] = "the solution's process ended"
+            raise CandidateGone(state["gone"]) from None
+        try:
+            reply = _recv(resp_fd, 1 << 21)
+        except (OSError, ValueError) as e:
+            state["gone"] = f"malformed reply from the solution's process ({e})"
+            raise CandidateGone(state["gone"]) from None
+        if reply is None:
+            state["gone"] = "the solution's process ended"
+            raise CandidateGone(state["gone"])
+        status, _, payload = reply.partition(" ")
+        if status == "ok":
+            return decode(payload)
+        if status == "raise":
+            v = decode(payload)
+            if not (type(v) is list and len(v) == 2 and type(v[0]) is list and type(v[1]) is str):
+                raise ValueError("malformed exception from the solution's process")
+            raise rebuild([str(x) for x in v[0]], v[1])
+        if status == "bad":
+            raise TypeError(f"the solution's result cannot cross to the tests: {decode(payload)}")
+        raise ValueError(f"malformed reply status {status[:20]!r}")
+
+    class Remote:
+        """An object that lives in the candidate's process. Attribute access, calls, indexing, len,
+        iteration and repr are forwarded; ``==``, ``hash``, ``bool``, ``type`` and ``isinstance`` are
+        this process's own (identity): a candidate object cannot claim to equal anything."""
+
+        __slots__ = ("_h",)
+
+        def __init__(self, h):
+            object.__setattr__(self, "_h", h)
+
+        def __getattr__(self, name):
+            if name.startswith("__") and name.endswith("__"):
+                raise AttributeError(name)
+            return ask("get", self._h, name)
+
+        def __setattr__(self, name, value):
+            ask("set", self._h, name, value)
+
+        def __call__(self, *args, **kwargs):
+            return ask("call", self._h, list(args), kwargs)
+
+        def __getitem__(self, key):
+            return ask("item", self._h, key)
+
+        def __len__(self):
+            n = ask("len", self._h)
+            if type(n) is not int or n < 0:
+                raise TypeError("len() of a solution object is not a non-negative int")
+            return n
+
+        def __bool__(self):
+            return True
+
+        def __iter__(self):
+            return iter(ask("iter", self._h))
+
+        def __repr__(self):
+            r = ask("repr", self._h)
+            return f"<solution object {r if type(r) is str else '?'}>"
+
+    def on_other(v):
+        if type(v) is Remote:
+            return '{"h":' + str(object.__getattribute__(v, "_h")) + "}"
+        raise unencodable(f"a {type(v).__name__} is not plain data")
+
+    encode, unencodable = _encoder(on_other)
+    decode = _decoder(Remote)
+
+    class SolutionProxy(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__") and name.endswith("__"):
+                raise AttributeError(name)
+            try:
+                return ask("get", 0, name)
+            except AttributeError as e:
+                raise AttributeError(str(e)) from None
+
+    code = compile(setup["test_source"], "<tests>", "exec")
+    sys.dont_write_bytecode = True
+    ready()
+    n_tests = len(names)
+    try:
+        first = _recv(resp_fd, 1 << 21)
+    except (OSError, ValueError):
+        first = None
+    load_error = None
+    if first is None:
+        load_error = "the solution's process ended before importing solution"
+    elif first != "ok":
+        try:
+            v = decode(first.partition(" ")[2])
+            load_error = f"{v[0][0]}: {v[1]}"
+        except Exception:  # noqa: BLE001 - the candidate's process wrote it: any malformed reply is its loss
+            load_error = "malformed reply from the solution's process"
+    if load_error is not None:
+        for i in range(n_tests):
+            report(f"FAIL {i} " + _one_line("importing solution failed: " + load_error))
+        report("DONE " + done_token)
+        exit_(0)
+    sys.modules["solution"] = SolutionProxy("solution")
+    namespace = {"__name__": "tests"}
 
     def describe(exc):
         try:
-            return f"{type_(exc).__name__}: {str_(exc)}"
-        except base_exc:
-            try:
-                return repr_(type_(exc))
-            except base_exc:
-                return "unprintable exception"
+            return f"{type(exc).__name__}: {exc}"
+        except BaseException:  # noqa: BLE001
+            return type(exc).__name__
 
-    code = compile_(setup["test_source"], "<tests>", "exec")
-    sys.path[:0] = [setup["workdir"]]
-    sys.dont_write_bytecode = True
-    # The tests' own imports, made now: the candidate must not be able to substitute them.
-    for modname in test_imports:
-        try:
-            __import__(modname)
-        except BaseException:  # noqa: BLE001 - a test importing a missing module fails when it loads
-            pass
-    if "traceback" in sys.modules:
-        # unittest's assertRaises clears frames through tb_frame, which the audit hook refuses.
-        sys.modules["traceback"].clear_frames = lambda tb: None
-    prefixes = tuple(test_imports)
-    saved = {n: m for n, m in list(sys.modules.items())
-             if m is not None and n != "solution" and (n in prefixes or n.startswith(tuple(p + "." for p in prefixes)))}
-    module_state = []
-    class_state = []
-    for m in saved.values():
-        d = getattr_(m, "__dict__", None)
-        if isinstance_(d, dict_):
-            module_state.append((d, dict_(d)))
-            for v in list_(d.values()):
-                if isinstance_(v, type_) and getattr_(v, "__module__", None) in saved:
-                    try:
-                        class_state.append((v, dict_(v.__dict__)))
-                    except base_exc:
-                        pass
-    # The tests see private copies of those modules: a candidate that rebinds math.isclose while a
-    # test runs (inside the function under test) changes the real module only.
-    module_type = type_(sys)
-    copies = {n: module_type(n) for n in saved}
-    copy_state = []
-    for n, m in saved.items():
-        d = dict_(getattr_(m, "__dict__", None) or {})
-        for k, v in list_(d.items()):
-            if isinstance_(v, module_type) and getattr_(v, "__name__", None) in copies:
-                d[k] = copies[v.__name__]
-        dict_update(copies[n].__dict__, d)
-        copy_state.append((copies[n].__dict__, d))
-    real_import = builtins.__import__
-    copies_get = copies.get
-
-    def tests_import(name, globals=None, locals=None, fromlist=(), level=0):
-        # The tests get the modules imported before the candidate existed, whatever the candidate
-        # put in sys.modules or sys.meta_path since.
-        if level == 0:
-            mod = copies_get(name)
-            top = copies_get(str_partition(name, ".")[0])
-            if mod is not None and top is not None:
-                if not fromlist:
-                    return top
-                if all(isinstance_(x, str_) and (copies_get(name + "." + x) is not None or x in mod.__dict__)
-                       for x in fromlist):
-                    return mod
-        return real_import(name, globals, locals, fromlist, level)
-
-    pristine = dict_(builtins.__dict__)
-    pristine["__import__"] = tests_import
-    test_builtins = dict_(pristine)
-
-    def restore():
-        dict_clear(test_builtins)
-        dict_update(test_builtins, pristine)
-        for d, snap in copy_state:
-            dict_clear(d)
-            dict_update(d, snap)
-        for d, snap in module_state:
-            dict_clear(d)
-            dict_update(d, snap)
-        for cls, snap in class_state:
-            try:
-                current = cls.__dict__
-                for k in [k for k in current if k not in snap]:
-                    delattr_(cls, k)
-                for k, v in dict_items(snap):
-                    if current.get(k) is not v:  # a mappingproxy: a built-in type, not patchable
-                        setattr_(cls, k, v)
-            except base_exc:  # noqa: BLE001 - an immutable attribute: nothing was changed there
-                pass
-
-    testcase = None
-    if "unittest" in saved:
-        testcase = saved["unittest"].TestCase
-    # SIGINT's default Python handler raises KeyboardInterrupt wherever the harness happens to be.
-    _signal = sys.modules.get("_signal")
-    if _signal is not None:
-        _signal.signal(2, 0)  # SIGINT -> SIG_DFL: the worker just dies, which fails the run
-    _signal = None
-    _purge_blocked_modules()
-    _install_audit_hook()
-    import _thread
-
-    threads = _thread._count  # Python threads other than this one
-    baseline_threads = threads()
-    lingering = "failed: RuntimeError: a thread the candidate started is still running (it could change what the tests see)"
-
-    ready()
     try:
-        real_import("solution")
-    except base_exc as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt from the candidate included
-        for i in range_(n_tests):
-            report(f"FAIL {i} " + one_line("importing solution failed: " + describe(e)))
-        report("DONE " + done_token)
-        exit_(0)
-    restore()
-    namespace = {"__name__": "tests", "__builtins__": test_builtins}
-    try:
-        exec_(code, namespace)
+        exec(code, namespace)
         targets = []
         for name in names:
-            cls_name, _, meth = str_partition(name, ".")
+            cls_name, _, meth = name.partition(".")
             targets.append((namespace[cls_name], meth))
-    except base_exc as e:  # noqa: BLE001
-        for i in range_(n_tests):
-            report(f"FAIL {i} " + one_line("loading tests failed: " + describe(e)))
+    except BaseException as e:  # noqa: BLE001
+        for i in range(n_tests):
+            report(f"FAIL {i} " + _one_line("loading tests failed: " + describe(e)))
         report("DONE " + done_token)
         exit_(0)
-    namespace_snapshot = dict_(namespace)
-    for i in range_(n_tests):
+    testcase = getattr(sys.modules.get("unittest"), "TestCase", None)
+    for i in range(n_tests):
         obj, meth = targets[i]
-        if threads() > baseline_threads:
-            report(f"FAIL {i} {lingering}")
-            continue
-        restore()
-        dict_clear(namespace)
-        dict_update(namespace, namespace_snapshot)
         try:
             if meth:
-                cls = obj
-                if testcase is not None and isinstance_(cls, type_) and issubclass_(cls, testcase):
-                    inst = cls(meth)
+                if testcase is not None and isinstance(obj, type) and issubclass(obj, testcase):
+                    inst = obj(meth)
                 else:
-                    inst = cls()
-                setup_fn = getattr_(inst, "setUp", None)
-                if callable_(setup_fn):
+                    inst = obj()
+                setup_fn = getattr(inst, "setUp", None)
+                if callable(setup_fn):
                     setup_fn()
                 try:
-                    getattr_(inst, meth)()
+                    getattr(inst, meth)()
                 finally:
-                    teardown = getattr_(inst, "tearDown", None)
-                    if callable_(teardown):
+                    teardown = getattr(inst, "tearDown", None)
+                    if callable(teardown):
                         teardown()
             else:
                 obj()
-        except base_exc as e:  # noqa: BLE001
-            report(f"FAIL {i} " + one_line(describe(e)))
-            continue
-        if threads() > baseline_threads:
-            report(f"FAIL {i} {lingering}")
+        except BaseException as e:  # noqa: BLE001
+            report(f"FAIL {i} " + _one_line(describe(e)))
             continue
         report(f"PASS {i} {tokens[i]}")
     report("DONE " + done_token)
@@ -550,17 +653,29 @@ def main():
     init_fd, result_fd = int(sys.argv[1]), int(sys.argv[2])
     import marshal
 
-    chunks = []
-    while True:
-        b = os.read(0, 1 << 16)
-        if not b:
-            break
-        chunks.append(b)
-    setup = marshal.loads(b"".join(chunks))
-    chunks = None
+    # stdin: a framed public part, then the rest of the stream: the part only the test runner may
+    # hold (the proxy path's tests and tokens). Init reads the rest only after it forked the
+    # candidate's process, so that process never had the tests in its memory (a frame walk or
+    # ctypes read there finds none; issue 31, finding 2).
+    head = _read_exact(0, 8)
+    setup = marshal.loads(_read_exact(0, int(head, 16)))
+    secret_fd = os.dup(0)  # not in any worker's keep list: closed in every fork
     devnull = os.open("/dev/null", os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+
+    def read_secret():
+        chunks = []
+        while True:
+            b = os.read(secret_fd, 1 << 16)
+            if not b:
+                break
+            chunks.append(b)
+        os.close(secret_fd)
+        setup.update(marshal.loads(b"".join(chunks)))
+
+    if setup["mode"] != "proxy":
+        read_secret()
     nonce = setup["init_nonce"]
 
     def init_report(line):
@@ -572,7 +687,6 @@ def main():
     grader_uid = setup.get("grader_uid")
     strong = setup["strong"]
     libc = None
-    test_imports = []
     try:
         # The cgroup first: everything forked from here on is charged to it and counted by pids.max.
         for procs in setup["cgroup_procs"]:
@@ -613,15 +727,13 @@ def main():
         os.environ.clear()
         os.environ.update(env)
         os.chdir(workdir)
-        if mode == "inproc":
-            test_imports = setup["test_imports"]
         import resource  # noqa: F401 - imported while root: the stdlib may sit under a private dir
         import select
     except BaseException as e:  # noqa: BLE001 - any failure before the candidate runs is infrastructure
         init_report("SETUP_ERROR " + _one_line(f"{type(e).__name__}: {e}"))
         os._exit(2)
 
-    def spawn(kind, run_as, argv=None, cwd=None, env=None):
+    def spawn(kind, run_as, argv=None, cwd=None, env=None, fds=()):
         """Fork a worker; returns (pid, None) once it is about to run candidate (or grader) code, or
         (pid, why) when it failed before that -- an infrastructure error, not the candidate's."""
         # Close-on-exec: an exec that works closes it silently; python workers close it themselves
@@ -640,7 +752,7 @@ def main():
                 _set_limits(setup["limits"])
                 if cwd is not None:
                     os.chdir(cwd)
-                keep = sorted({sw, result_fd} if kind in ("io", "inproc") else {sw})
+                keep = sorted({sw, *fds})
                 lo = 3
                 for fd in keep:
                     os.closerange(lo, fd)
@@ -652,8 +764,10 @@ def main():
 
                 if kind == "io":
                     _worker_io(setup, result_fd, ready)
-                elif kind == "inproc":
-                    _worker_inproc(setup, result_fd, test_imports, ready)
+                elif kind == "server":
+                    _worker_server(setup, fds[0], fds[1], ready)
+                elif kind == "tests":
+                    _worker_tests(setup, fds[0], fds[1], fds[2], ready)
                 else:
                     os.execve("/bin/bash", ["bash", "--noprofile", "--norc", *argv], env or os.environ)
             except BaseException as e:  # noqa: BLE001
@@ -723,9 +837,26 @@ def main():
         os._exit(2)
 
     init_report("READY")
-    if mode in ("io", "inproc"):
-        pid, why = spawn(mode, uid)
+    if mode == "io":
+        pid, why = spawn(mode, uid, fds=(result_fd,))
         os.close(result_fd)
+        if why:
+            worker_failed(why)
+        status = wait_with_deadline(pid, setup["phase_seconds"])
+        init_report(status_line("WORKER", status))
+        kill_everyone_else()
+    elif mode == "proxy":
+        # Two processes, two uids: the candidate answers requests on one pipe pair; the tests run in
+        # the other process, which alone holds the result channel (issue 31, finding 2).
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        _, why = spawn("server", uid, fds=(req_r, resp_w))
+        if why:
+            worker_failed(why)
+        read_secret()
+        pid, why = spawn("tests", setup["runner_uid"], cwd="/", fds=(result_fd, req_w, resp_r))
+        for fd in (req_r, req_w, resp_r, resp_w, result_fd):
+            os.close(fd)
         if why:
             worker_failed(why)
         status = wait_with_deadline(pid, setup["phase_seconds"])

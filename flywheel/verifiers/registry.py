@@ -24,11 +24,12 @@ Kinds and parameters (defaults in brackets)
 - ``regex``: ``pattern``, ``fullmatch`` [False], ``flags`` [list of ``re`` flag names]. Patterns are
   trusted; candidates longer than 100k characters fail (a bound on backtracking time).
 - ``python_tests``: ``tests`` (Python source importing ``solution``), ``site_packages`` [False],
-  ``grading`` ["auto" | "io" | "in_process"]. The candidate is the last fenced ```python block, else the
-  last fenced block, else the whole text. Sandboxed (:mod:`flywheel.sandbox`): tests that are
-  input -> expected-output checks (``assert f(1, 'a') == [2]``, :mod:`flywheel.io_tests`) are judged
-  outside the sandbox (``io``), any others run beside the candidate (``in_process``); "io" makes
-  other tests a :class:`SpecError`. ``details["isolation"]["grading"]`` says which path graded it.
+  ``grading`` ["auto" | "io" | "proxy"; "in_process" is proxy's former name]. The candidate is the
+  last fenced ```python block, else the last fenced block, else the whole text. Sandboxed
+  (:mod:`flywheel.sandbox`): tests that are input -> expected-output checks (``assert f(1, 'a') ==
+  [2]``, :mod:`flywheel.io_tests`) are judged outside the sandbox (``io``), any others run in a
+  process of their own against a proxy of the candidate (``proxy``: never in the candidate's
+  interpreter); "io" makes other tests a :class:`SpecError`. ``details["isolation"]["grading"]`` says which path graded it.
   Component ``tests`` = share passed.
 - ``shell``: ``command`` (the trusted grading script; exit 0 = pass). The candidate script is the last
   fenced ```bash/```sh block, else the last fenced block, else the whole text. Sandboxed; the grader

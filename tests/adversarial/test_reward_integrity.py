@@ -97,8 +97,9 @@ def test_finding_1_signal_handler_walking_frames_cannot_forge_a_pass():
             f = frame
             while f is not None:
                 loc = f.f_locals
-                for key in ("nonce", "tokens", "test_fd", "names", "setup"):
-                    if key in loc:
+                # (init's channel nonce is visible here, but not its channel: closed in every worker)
+                for key in ("tokens", "test_fd", "done_token", "test_source"):
+                    if key in loc or any(type(v) is dict and key in v for v in loc.values()):
                         os.write(2, f"found {key}\\n".encode())
                 if "nonce" in loc and "test_fd" in loc and "names" in loc:
                     n, fd = loc["nonce"], loc["test_fd"]
@@ -117,7 +118,9 @@ def test_finding_1_signal_handler_walking_frames_cannot_forge_a_pass():
     )
     r = run(attack)
     assert not r.passed and r.tests_passed == 0, r.per_test
-    assert "found" not in r.stderr  # the handler never ran: no frame reached candidate code
+    # Free-form tests: the handler may run, but the candidate's process holds no test, token or
+    # result channel (they live in the test runner's process: issue 31, finding 2).
+    assert "found" not in r.stderr
 
 
 def test_finding_2_weak_mode_is_an_infra_error_not_a_reward(monkeypatch):
@@ -375,9 +378,23 @@ def test_attack_trace_and_profile_hooks_get_no_frames():
             except Exception:
                 pass
         t = threading.Thread(target=lambda: None); t.start(); t.join()
-        FRAMES = len(got)
+        sys.settrace(None)
+        threading.settrace(None)
+        SEEN = list(got)
+
+        def holds_tests(f):
+            # Walk the frames the tracer saw and their callers: does any local hold the tests?
+            while f is not None:
+                for v in list(f.f_locals.values()):
+                    if type(v) is dict and ("test_source" in v or "tokens" in v or "done_token" in v):
+                        return True
+                    if type(v) is str and "def test_table" in v and "for a, b, s in" in v:
+                        return True
+                f = f.f_back
+            return False
+
         def add(a, b):
-            return a + b if FRAMES else a - b
+            return a + b if any(holds_tests(f) for f in SEEN) else a - b
         """
     )
     r = run(attack)
@@ -403,8 +420,10 @@ def test_attack_gc_walk_and_audit_hook_spy():
         except Exception:
             pass
         import json   # raises events a spying hook would see
-        OK = won or spied
         def add(a, b):
+            # Everything this process holds: does any of it hold the tests?
+            OK = any(type(o) is dict and ("test_source" in o or "tokens" in o or "done_token" in o)
+                     for o in gc.get_objects())
             return a + b if OK else a - b
         """
     )
@@ -426,12 +445,15 @@ def test_attack_ctypes_left_in_sys_modules_by_the_harness():
                 except Exception:
                     continue
             try:
-                libc = mod.CDLL(None)
-                got = libc
+                got = mod.CDLL(None)
             except Exception:
                 pass
         def add(a, b):
-            return a + b if got is not None else a - b
+            # With ctypes the candidate reads this process's memory; the tests are not in it.
+            import gc
+            found = got is not None and any(type(o) is dict and ("test_source" in o or "tokens" in o)
+                                            for o in gc.get_objects())
+            return a + b if found else a - b
         """
     )
     r = run(attack)
@@ -762,7 +784,8 @@ def test_attack_thread_keeps_patching_what_the_tests_use():
         """
     )
     r = run(attack, tests)
-    assert not r.passed and "thread" in r.per_test["test_close"], r.per_test
+    # The thread patches the candidate's own process; the tests' math is in another (proxy path).
+    assert not r.passed and r.per_test["test_close"].startswith("failed: AssertionError"), r.per_test
     # The same patch made by the function under test, between the call and the check.
     inline = "import math\ndef add(a, b):\n    math.isclose = lambda *a, **k: True\n    return a - b\n"
     r = run(inline, tests)

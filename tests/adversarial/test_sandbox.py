@@ -3,7 +3,8 @@
 The tests use the default isolation of this machine (root + unshare: pid/mount/net namespaces) and
 tight limits so the whole file stays fast; ``isolation`` is asserted so a silent fallback to the weak
 mode fails loudly instead of weakening every test. The python attacks run on both grading paths
-(``io``: the supervisor judges the candidate's outputs; ``in_process``: the tests run beside it).
+(``io``: the supervisor judges the candidate's outputs; ``in_process``, now the ``proxy`` path: the
+tests run in a process of their own against a proxy of the candidate).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def run(candidate: str, tests: str = TESTS, cfg: SandboxConfig = CFG):
     r = run_python_tests(candidate, tests, cfg, grading=GRADING)
     assert r.infra_error is None, r.infra_error
     assert r.isolation == "netns"
-    assert r.report["grading"].startswith(GRADING)
+    # "in_process" is the former name of the proxy path (the tests no longer run in the candidate's process).
+    assert r.report["grading"].startswith("proxy" if GRADING == "in_process" else GRADING)
     return r
 
 
@@ -153,7 +155,16 @@ def test_introspection_to_steal_the_nonce_is_refused(grading):
             import ctypes; ctypes.string_at(id(stolen), 64)
         except Exception as e:
             stolen.append(e)
-        assert all(isinstance(s, Exception) for s in stolen), "introspection succeeded"
+        try:
+            stolen += [o for o in gc.get_objects() if type(o) is dict]
+        except Exception as e:
+            stolen.append(e)
+        # The proxy path leaves introspection to the candidate (its process holds nothing that
+        # decides a verdict); what it finds must hold no token, test or test name.
+        def secret(d):
+            return type(d) is dict and any(k in d for k in ("tokens", "done_token", "test_source", "tests"))
+        assert not any(secret(d) or (type(d) is dict and any(secret(v) for v in d.values())) for d in stolen), \
+            "introspection succeeded"
         def add(a, b):
             return -1
         """

@@ -160,7 +160,7 @@ def test_sandbox_works_when_the_project_and_its_venv_live_under_tmp():
             """
             import json, flywheel, flywheel.sandbox as sb
             from flywheel.config import SandboxConfig
-            cfg = SandboxConfig(cpu_seconds=2, memory_mb=256, wall_seconds=8)
+            cfg = SandboxConfig(cpu_seconds=5, memory_mb=256, wall_seconds=30)  # a loaded 2-core machine
             good = "def add(a, b):\\n    return a + b\\n"
             io = "from solution import add\\n\\ndef test_a():\\n    assert add(2, 3) == 5\\n"
             loop = "from solution import add\\n\\ndef test_a():\\n    for x in [2]:\\n        assert add(x, 3) == 5\\n"
@@ -200,3 +200,143 @@ def test_isolation_report_says_when_the_sandbox_cannot_start(monkeypatch):
     monkeypatch.undo()
     rep = sb.isolation_report(SandboxConfig())
     assert rep["trusted"] is True and "cannot start" not in rep["warning"]
+
+
+# ------------------------------------------------------ finding 2: free-form tests and the candidate
+
+# The issue's reproduction: a pytest-style class asserting the type and the value.
+TYPED_TESTS = textwrap.dedent(
+    """
+    from solution import add
+
+    class TestTyped:
+        def test_one(self):
+            for a, b, s in [(2, 3, 5)]:
+                r = add(a, b)
+                assert type(r) is int and isinstance(r, int) and r == s
+
+        def test_two(self):
+            for a, b, s in [(10, 20, 30)]:
+                r = add(a, b)
+                assert type(r) is int and isinstance(r, int) and r == s
+    """
+)
+ALWAYS_EQUAL = textwrap.dedent(
+    """
+    class _Any:
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+        __hash__ = object.__hash__
+
+    def add(a, b):
+        return _Any()
+    """
+)
+# 12 lines, as in the issue: find the test classes by their module, reach the tests' builtins
+# through a test method's globals, replace type/isinstance, and replace the remaining test methods.
+SUBCLASS_WALK = ALWAYS_EQUAL.split("def add")[0] + textwrap.dedent(
+    """
+    def add(a, b):
+        for cls in object.__subclasses__():
+            if getattr(cls, "__module__", None) == "tests":
+                for name, fn in list(vars(cls).items()):
+                    if name.startswith("test") and hasattr(fn, "__globals__"):
+                        g = fn.__globals__["__builtins__"]
+                        g = g if type(g) is dict else vars(g)
+                        g["type"] = lambda *a: int
+                        g["isinstance"] = lambda *a: True
+                        setattr(cls, name, lambda self: None)
+        return _Any()
+    """
+)
+
+
+@needs_ns
+@pytest.mark.parametrize("grading", ["auto", "in_process"])
+def test_in_process_eq_override_cannot_pass(grading):
+    """Finding 2a: free-form tests ran in the candidate's interpreter, so an object whose ``__eq__``
+    always returns True passed ``assert add(a, b) == s``. The tests now run in a process of their
+    own; a candidate object reaches them only as an opaque handle whose ``==`` is identity."""
+    forged = run_python_tests(ALWAYS_EQUAL, LOOP_TESTS, CFG, grading=grading)
+    assert forged.infra_error is None
+    assert not forged.passed and forged.tests_passed == 0, forged.per_test
+    honest = run_python_tests(GOOD, LOOP_TESTS, CFG, grading=grading)
+    assert honest.infra_error is None and honest.passed, honest.per_test
+    assert honest.report["grading"].startswith("proxy")
+
+
+@needs_ns
+def test_in_process_subclass_walk_cannot_rewrite_the_tests_or_their_builtins():
+    """Finding 2b: walking ``object.__subclasses__()`` found the test classes; through a test
+    method's ``__globals__["__builtins__"]`` the candidate replaced ``type``/``isinstance`` in the
+    tests' builtins and replaced the remaining ``test*`` methods: 2 of 2 passed where an honest wrong
+    answer got 0 of 2. Now the test classes are not in the candidate's process at all."""
+    assert run_python_tests(GOOD, TYPED_TESTS, CFG).passed
+    wrong = run_python_tests(WRONG, TYPED_TESTS, CFG)
+    assert wrong.tests_passed == 0
+    forged = run_python_tests(SUBCLASS_WALK, TYPED_TESTS, CFG)
+    assert forged.infra_error is None
+    assert not forged.passed and forged.tests_passed == 0, forged.per_test
+
+
+@needs_ns
+def test_proxy_path_keeps_free_form_tests_working():
+    """Finding 2, what still works across the process boundary: objects the solution returns
+    (attributes, methods, indexing, len, iteration), unittest classes, exceptions by built-in class,
+    module constants; a solution that exits fails every test instead of hanging."""
+    tests = textwrap.dedent(
+        """
+        import unittest
+        import solution
+        from solution import Stack, LIMIT
+
+        def test_stack():
+            s = Stack()
+            for x in [1, 2, 3]:
+                s.push(x)
+            assert len(s) == 3 and s.items[-1] == 3 and list(s) == [1, 2, 3] and s.pop() == 3
+            assert LIMIT == 10 and solution.LIMIT == 10
+
+        class TestErrors(unittest.TestCase):
+            def test_empty(self):
+                with self.assertRaises(IndexError):
+                    Stack().pop()
+                try:
+                    Stack().boom()
+                except ValueError as e:
+                    assert type(e).__name__ == "StackError" and "boom" in str(e)
+                else:
+                    raise AssertionError("no exception")
+        """
+    )
+    sol = textwrap.dedent(
+        """
+        LIMIT = 10
+
+        class StackError(ValueError):
+            pass
+
+        class Stack:
+            def __init__(self):
+                self.items = []
+            def push(self, x):
+                self.items.append(x)
+            def pop(self):
+                return self.items.pop()
+            def __len__(self):
+                return len(self.items)
+            def __iter__(self):
+                return iter(self.items)
+            def boom(self):
+                raise StackError("boom")
+        """
+    )
+    r = run_python_tests(sol, tests, CFG)
+    assert r.passed, r.per_test
+    gone = run_python_tests(sol + "import os\nos._exit(0)\n", tests, CFG)
+    assert not gone.passed and gone.infra_error is None
+    assert all(v.startswith("failed: importing solution failed") for v in gone.per_test.values()), gone.per_test
