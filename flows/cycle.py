@@ -177,9 +177,9 @@ def grpo_stage(key: str, rollout_ids: list[str], base: str, correlation_id: str)
 
 @task(name="learn", **STAGE)
 def learn_stage(key: str, base: str, correlation_id: str) -> dict:
-    """``train.mode = arms``: the learning stage of :mod:`flywheel.train.learn` (first pass, probe-aimed
+    """``train.mode = arms``: the learning stage of :mod:`flywheel.learn` (first pass, probe-aimed
     synthesis, arms, choice on dev, fold-in)."""
-    from flywheel.train.learn import run_learning
+    from flywheel.learn import run_learning
 
     r = _res()
 

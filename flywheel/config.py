@@ -297,7 +297,7 @@ class TrainConfig(_Section):
 
     mode: Literal["auto", "sft", "grpo", "arms"] = Field(
         "auto", description="auto: SFT first when the policy never succeeds (see sft_trigger_*), then GRPO. arms: "
-        "the learning stage of flywheel.train.learn -- a first pass of SFT over every real correction, then arms "
+        "the learning stage of flywheel.learn -- a first pass of SFT over every real correction, then arms "
         "(plain-SFT control, targeted synthesis, RPO, GRPO) chosen on a dev split; the control ships unless an "
         "arm beats it there."
     )
@@ -358,6 +358,11 @@ class TrainConfig(_Section):
         "sequence) instead of one padded row per sequence."
     )
     batch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
+    prompt_grad: Literal["full", "answer_only"] = Field(
+        "full", description="full: gradients flow through every prompt token. answer_only: each prompt is encoded once "
+        "without a graph and only the answer positions carry gradient (same loss values, about half the FLOPs when "
+        "prompts dominate the tokens; flywheel.train.trainer.answer_only_logprobs says what it does not learn).",
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory, ~30% slower).")
     logprob_impl: Literal["fused", "naive"] = Field(
         "fused", description="Log-prob path: fused (linear + log-softmax without [tokens, vocab] logits) or naive "

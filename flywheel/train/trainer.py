@@ -159,6 +159,56 @@ def sequence_logprobs(
     return mb.scatter(logp), (mb.scatter(ent) if ent is not None else None)
 
 
+def answer_only_logprobs(
+    model: Any,
+    mb: MicroBatch,
+    *,
+    temperature: float = 1.0,
+    impl: LogprobImpl = "fused",
+    compute_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`sequence_logprobs` with the prompt encoded once without a graph (``train.prompt_grad =
+    "answer_only"``): the same values, a cheaper and different gradient.
+
+    Per sequence, the prompt but its last token runs under ``no_grad`` into a KV cache; then the last
+    prompt token and the completion (but its last token) run with grad on top of that cache, and their
+    hidden states predict the completion tokens. The forward values equal the full pass's to fp32
+    rounding (tests/unit/test_trainer_answer_only.py). The gradient differs by design: it reaches the
+    trainable weights only through the completion positions (the prompt's keys and values are constants
+    of the step), so what the model learns is how to answer a prompt as it already encodes it, not how to
+    encode it differently.
+
+    Why: in an agent's requests the prompt is most of the tokens (the demo's BFCL prompts ~330 tokens
+    for ~22 answer tokens) and the loss sits on the answer alone; a LoRA forward + backward costs about
+    4 x params FLOPs per token, a forward without a graph 2 x, so the step costs about half (measured
+    figures: benchmarks/README.md, bench_cpu_limits.py). Sequences run one at a time (batch 1): the
+    prompt GEMMs are still [~330, 576] x [576, 1536] and the answer part is a small share of the FLOPs.
+    """
+    backbone, head = backbone_and_head(model)
+    dev = mb.targets.device
+    hidden = []
+    for s in mb.samples:
+        p, c = s.prompt_ids, s.completion_ids
+        cache = None
+        if len(p) > 1:
+            with torch.no_grad():
+                out = backbone(input_ids=torch.tensor([p[:-1]], device=dev), use_cache=True)
+            cache = out.past_key_values
+        inp = torch.tensor([[p[-1], *c[:-1]]], device=dev)
+        pos = torch.arange(len(p) - 1, len(p) - 1 + len(c), device=dev).unsqueeze(0)
+        out = backbone(input_ids=inp, position_ids=pos, past_key_values=cache, use_cache=cache is not None)
+        h = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        hidden.append(h[0])
+    h = torch.cat(hidden)  # [N, H], completion tokens in micro-batch order (as mb.targets)
+    fn = _logprob_fn(impl)
+    with gathered_head(model):
+        logp, ent = fn(
+            h, head.weight, mb.targets, bias=getattr(head, "bias", None), temperature=temperature,
+            compute_entropy=compute_entropy,
+        )
+    return mb.scatter(logp), (mb.scatter(ent) if ent is not None else None)
+
+
 def apply_lora(model: Any, *, r: int, alpha: int, dropout: float = 0.0, target_modules: str | list[str] = "all-linear") -> Any:
     """Wrap ``model`` in a trainable peft LoRA adapter (base weights frozen). ``r = 0``: unchanged.
 
@@ -417,8 +467,11 @@ class Trainer:
         return stack
 
     def _logprobs(self, model: Any, mb: MicroBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        fn = sequence_logprobs
+        if self.train.prompt_grad == "answer_only" and not self.train.gradient_checkpointing and self.engine is None:
+            fn = answer_only_logprobs  # the KV cache it builds is refused under checkpointing
         with self._autocast():
-            return sequence_logprobs(
+            return fn(
                 model, mb, temperature=self.opt.temperature, impl=self.train.logprob_impl,
                 compute_entropy=entropy,
             )

@@ -388,7 +388,7 @@ def test_collect_receives_otlp_http_and_writes_what_ingest_reads(server, tmp_pat
     log = tmp_path / "collect.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen([str(it.VENV_BIN / "flywheel"), "collect", "--port", str(port), "--inbox", str(inbox),
-                                 "--home", str(tmp_path / "collect-home"), "--settle-s", "600", "--json"],
+                                 "--home", str(tmp_path / "collect-home"), "--settle-s", "600", "--max-age-s", "3600", "--json"],
                                 stdout=subprocess.PIPE, stderr=fh, env=it.clean_env(), start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -1,10 +1,10 @@
-"""The learning stage's pure parts (flywheel.train.learn): the dev split, the arm choice, dev isolation."""
+"""The learning stage's pure parts (flywheel.learn): the dev split, the arm choice, dev isolation."""
 
 from __future__ import annotations
 
 import pytest
 
-from flywheel.train.learn import ArmResult, _without, choose_arm, dev_split, split_sources
+from flywheel.learn import ArmResult, _without, choose_arm, dev_split, split_sources
 from flywheel.vocab.ids import digest
 
 

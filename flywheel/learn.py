@@ -344,7 +344,9 @@ def _probe_and_synthesize(cfg: FlywheelConfig, tracker: Tracker, version: int, t
     if synthesize is not None and plan:
         say("learn", {"status": "running", "phase": "synth (aimed by the probe)", "plan": plan})
         summary = synthesize(plan)
-        info["synth"] = {k: summary.get(k) for k in ("batch_id", "accepted", "counts") if isinstance(summary, dict)}
+        if isinstance(summary, dict):
+            info["synth"] = {"batch": summary.get("batch"), "accepted": (summary.get("funnel") or {}).get("accepted"),
+                             "by_generator": summary.get("by_generator")}
     info["wall_s"], info["cpu_s"] = clock.done()
     return info
 
@@ -381,13 +383,14 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
     elif name == "rpo":
         from flywheel.train.preference import pairs_from_tasks, publish_pairs, train_rpo
 
-        pairs = pairs_from_tasks(train_real)
+        pairs = pairs_from_tasks(train_real, store=store)
         if not pairs:
             arm.skipped = "no preference pair: no train-side failure kept a rejected answer different from its correction"
         else:
             pid = publish_pairs(cfg, store, artifacts, pairs, correlation_id=correlation_id)
             res = train_rpo(cfg, store, artifacts, tracker, pairs, base=ckpt, steps=t.arm_steps, lr=t.rpo_lr or t.sft_lr,
-                            beta=t.rpo_beta, alpha=t.rpo_alpha, on_step=on_step, preferences_id=pid)
+                            beta=t.rpo_beta, alpha=t.rpo_alpha, on_step=on_step, preferences_id=pid,
+                            budget_cpu_s=budget)
             arm.detail.update(pairs=len(pairs), preferences=pid)
     elif name == "grpo":
         res = _grpo_arm(cfg, store, artifacts, tracker, ckpt, dev, arm, on_step, correlation_id=correlation_id)
