@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_trainer import batch, reference_logprobs, tiny_lm
 
 from flywheel.config import TrainConfig
 from flywheel.train.data import make_micro_batches
-from flywheel.train.trainer import Trainer, TrainerOptions, answer_only_logprobs, apply_lora, sequence_logprobs
-
-from test_trainer import batch, reference_logprobs, tiny_lm
+from flywheel.train.trainer import (
+    Trainer,
+    TrainerOptions,
+    answer_only_logprobs,
+    apply_lora,
+    sequence_logprobs,
+)
 
 
 @pytest.mark.parametrize("impl", ["fused", "naive"])
