@@ -31,8 +31,11 @@ Guarantees
   version in a background thread and swaps one reference; a request that already took the old
   policy finishes on it. A version that fails to load is logged and the old one keeps serving.
 
-Not guaranteed: alias changes made outside flywheel (MLflow UI) are *served* (the watcher follows
-the alias) but not recorded in the deployment history; :func:`flywheel.champion.reconcile_champion` reports them as
+An alias moved outside flywheel (MLflow UI, anyone who reached the tracking server) is *not served*
+(issue 31, finding 3): the watcher serves an alias version only if it is the last recorded move's
+target (or its ``from``, a move recorded and not yet applied); otherwise it keeps serving what it
+serves (at start: the recorded champion), logs the refusal and reports it (``last_error``,
+``refused``). Not guaranteed: such a change is not recorded in the deployment history; :func:`flywheel.champion.reconcile_champion` reports them as
 ``diverged`` and leaves them alone. ``flywheel serve --champion`` reconciles once at start-up, when
 the event store is free; a move interrupted while it runs is served once the next command that acts
 on the champion completes it (the watcher then swaps within ``poll_alias_s``).
@@ -352,8 +355,18 @@ class ChampionWatcher:
         loader: Callable[[int], Any] | None = None,
         alias_version: Callable[[], int | None] | None = None,
         poll_s: float | None = None,
+        history: Callable[[], list[Deployment]] | None = None,
     ) -> None:
         self.name = name or cfg.cycle.model_name
+        # The deployment history the alias must agree with (issue 31, finding 3): by default read from
+        # the event store, opened for the read and closed again (only when the alias moved). A caller
+        # that injects its own alias source without a history is trusted (tests of the swap itself).
+        if history is None and alias_version is None:
+            def history() -> list[Deployment]:
+                with open_store(cfg) as store:
+                    return deployments(store, self.name)
+        self._history = history
+        self.refused: int | None = None  # the alias version last refused (not served), if any
         if tracker is None and (loader is None or alias_version is None):
             tracker = Tracker(cfg)
         if loader is None:
@@ -389,6 +402,16 @@ class ChampionWatcher:
                 return False  # alias deleted: keep serving what we have rather than nothing
             if v == self.version:
                 return False
+            why = self._unrecorded(int(v))
+            if why is not None:
+                self.last_error, self.refused = why, int(v)
+                log.error("%s; still serving version %s", why, self.version)
+                if self._current is not None:
+                    return False
+                recorded = self._recorded_champion()
+                if recorded is None or recorded == v:
+                    raise DeployError(why)
+                v = recorded  # at start: serve the recorded champion, not the alias
             try:
                 policy = self._loader(int(v))
             except Exception as e:
@@ -403,6 +426,28 @@ class ChampionWatcher:
             self.last_error = None
             log.info("serving model:%s/%s (was %s)", self.name, v, old)
             return True
+
+    def _unrecorded(self, v: int) -> str | None:
+        """Why alias version ``v`` must not be served, or None: it must be the target of the last
+        recorded ``model.promoted``/``model.rolled_back`` (or its ``from``: recorded, the alias not yet
+        moved). An alias moved by hand, or by anyone who reached MLflow, is refused and logged; the
+        server keeps serving what it serves."""
+        if self._history is None:
+            return None
+        history = self._history()
+        if not history:
+            return (f"the champion alias of {self.name} names version {v}, but the deployment history is empty: "
+                    "refused (promote through flywheel)")
+        last = history[-1]
+        if v in (last.to_version, last.from_version):
+            return None
+        return (f"the champion alias of {self.name} moved to version {v} without a model.promoted or "
+                f"model.rolled_back event (the last recorded move is {last.action} {last.from_version} -> "
+                f"{last.to_version}, seq {last.seq}): refused")
+
+    def _recorded_champion(self) -> int | None:
+        history = self._history() if self._history is not None else []
+        return history[-1].to_version if history else None
 
     def _run(self) -> None:
         while not self._stop.is_set():

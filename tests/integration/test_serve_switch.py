@@ -56,6 +56,8 @@ def _wait_for(condition, what: str, timeout_s: float = 120) -> None:
 
 @pytest.fixture
 def registry(cfg, tmp_path):
+    from flywheel.store import open_store
+
     tracker = Tracker(cfg)
     d = tmp_path / "m"
     d.mkdir()
@@ -63,7 +65,8 @@ def registry(cfg, tmp_path):
     for _ in range(3):
         with tracker.run("train") as run:
             tracker.register_model("policy", d, run_id=run.run_id, tags={"adapter": "false"})
-    tracker.set_alias("policy", "champion", 1)
+    with open_store(cfg) as store:  # a recorded champion: the watcher serves only recorded moves
+        promote(cfg, store, tracker, 1, force=True, reason="test fixture")
     return tracker
 
 
@@ -140,18 +143,46 @@ def test_sighup_triggers_reload_and_bad_version_keeps_old_model(cfg, registry):
             raise OSError("weights missing")
         return SlowPolicy(v)
 
+    from flywheel.store import open_store
+
     watcher = ChampionWatcher(cfg, tracker=tracker, loader=loader, poll_s=3600).start(install_sighup=True)
     try:
         assert watcher.version == 1
-        tracker.set_alias("policy", "champion", 2)
+        with open_store(cfg) as store:
+            promote(cfg, store, tracker, 2, force=True, reason="sighup test")
         os.kill(os.getpid(), signal.SIGHUP)  # the poll interval is an hour: only the signal can explain a swap
         _wait_for(lambda: watcher.version == 2, "the SIGHUP reload")
         assert watcher.version == 2 and watcher()[1].version == "2"
-        tracker.set_alias("policy", "champion", 3)
+        with open_store(cfg) as store:
+            promote(cfg, store, tracker, 3, force=True, reason="sighup test")
         assert watcher.check_now() is False  # loading v3 fails: keep serving v2, report why
         assert watcher.version == 2 and "weights missing" in watcher.last_error
     finally:
         watcher.stop()
+
+
+def test_watcher_refuses_an_alias_moved_without_a_deployment_event(cfg, registry, caplog):
+    """Issue 31, finding 3: whoever reached MLflow could move `champion` and `serve --champion` served
+    it. An alias moved by hand (no model.promoted / model.rolled_back) is refused: the server keeps
+    serving the recorded champion, logs why and reports it (``last_error``, ``refused``). At start, a
+    hand-moved alias serves the recorded champion."""
+    tracker = registry
+    watcher = ChampionWatcher(cfg, tracker=tracker, loader=SlowPolicy, poll_s=3600).start(install_sighup=False)
+    try:
+        assert watcher.version == 1
+        tracker.set_alias("policy", "champion", 3)  # by hand: no event
+        with caplog.at_level("ERROR", logger="flywheel.deploy"):
+            assert watcher.check_now() is False
+        assert watcher.version == 1 and watcher()[1].version == "1" and watcher.refused == 3
+        assert "without a model.promoted or model.rolled_back event" in watcher.last_error
+        assert any("refused" in r.getMessage() for r in caplog.records)
+    finally:
+        watcher.stop()
+    fresh = ChampionWatcher(cfg, tracker=tracker, loader=SlowPolicy, poll_s=3600).start(install_sighup=False)
+    try:
+        assert fresh.version == 1 and fresh.refused == 3  # the recorded champion, not the alias
+    finally:
+        fresh.stop()
 
 
 def test_watcher_refuses_to_start_without_a_champion(cfg, registry):
