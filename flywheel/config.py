@@ -125,6 +125,11 @@ class SandboxConfig(_Section):
     max_file_mb: int = Field(16, ge=1, description="RLIMIT_FSIZE, in MiB.")
     max_open_files: int = Field(64, ge=8, description="RLIMIT_NOFILE.")
     wall_seconds: float = Field(20.0, gt=0, description="Wall-clock timeout; the process group is killed.")
+    cpus: float = Field(
+        1.0, ge=0, description="CPU bandwidth of one sandbox, in cores, for all its processes together (cgroup "
+        "cpu.max, or cpu.cfs_quota_us on cgroup v1, where writable): a run uses at most cpus x wall_seconds of "
+        "CPU however many processes it starts. 0 = not limited.",
+    )
     network: Literal["none", "allow"] = Field("none", description="'none' isolates the network.")
     allow_weak: bool = Field(
         False, description="Run python_tests/shell verifiers where namespaces are unavailable (not root, no "

@@ -65,7 +65,16 @@ Cgroups (``sandbox.cgroup``): the supervisor creates ``flywheel-sbx-*`` under it
 cgroup v2 (``memory.max``, ``memory.swap.max = 0``, ``pids.max``) where the unified hierarchy has the
 memory and pids controllers, else with the v1 memory and pids hierarchies. Where neither is writable
 the run goes on with rlimits only and ``report["cgroup"]`` says why (``"require"`` makes that an
-infrastructure error instead).
+infrastructure error instead). ``sandbox.cpus`` caps the CPU bandwidth of all the run's processes
+together (v2 ``cpu.max``, else a v1 ``cpu`` hierarchy's ``cpu.cfs_quota_us``), so a run uses at most
+``cpus x wall_seconds`` of CPU; ``report["cgroup"]`` says when no cpu controller is writable.
+
+Seccomp: candidate processes (the io driver, the proxy's candidate process, the shell candidate;
+not the test runner or the grader) run under a filter built from the system's ``libseccomp.so.2``
+that refuses ``socket(AF_UNIX)`` -- the network namespace hides host networks but not the host's
+Unix sockets whose files are visible -- and ptrace, process_vm_*, mount/namespace calls, keyrings,
+BPF, perf, userfaultfd, io_uring, modules, kexec. Without libseccomp the run goes on without it
+and ``report["seccomp"]`` says so (issue 31, finding 13).
 
 Covered (one adversarial test each in ``tests/adversarial/``)
 -------------------------------------------------------------
@@ -82,7 +91,8 @@ All paths:
 - fork bombs (``RLIMIT_NPROC`` per throwaway uid and ``pids.max``), memory bombs (``RLIMIT_AS`` per
   process and ``memory.max`` across all the sandbox's processes), infinite loops (``RLIMIT_CPU`` +
   wall clock, whole namespace killed), huge files (``RLIMIT_FSIZE`` per file, tmpfs size and inode
-  count in total), network (empty network namespace: not even loopback is up), background processes
+  count in total), network (empty network namespace: not even loopback is up; host Unix sockets:
+  seccomp), the CPU of many processes (``cpu.max`` of the run's cgroup), background processes
   (pid namespace and cgroup), SysV/POSIX IPC objects outliving the run (ipc namespace).
 
 ``io`` only: an object whose ``__eq__`` always returns True, an ``int`` subclass, anything but plain
@@ -121,7 +131,8 @@ Not covered (know these before trusting a reward)
   user (it can read its files, reach the network, and tamper with the verifier's process); the grader
   runs as the candidate's uid in a writable tree; processes that ``setsid()`` escape the
   process-group kill unless a cgroup exists.
-- CPU time is limited per process; the wall clock bounds the total.
+- Without a writable cpu controller, CPU time is limited per process only; the wall clock bounds the
+  total. Without libseccomp, host Unix sockets whose files are visible can be reached.
 
 Throughput: the Python path starts ``python -I -S`` (no site-packages: ~10 ms instead of ~30 ms on the
 development machine); pass ``site_packages=True`` when solutions may import installed packages.
@@ -378,6 +389,36 @@ def _cgroup_support() -> _CgroupSupport:
     return _CgroupSupport(0, {}, "none: " + "; ".join(why))
 
 
+# CPU bandwidth period (microseconds): the kernel's default; quota = sandbox.cpus x this.
+_CPU_PERIOD_US = 100_000
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_support() -> _CgroupSupport:
+    """Where a run's CPU bandwidth can be capped: v2 ``cpu.max`` in the unified parent used for
+    memory/pids, else a v1 ``cpu`` hierarchy (``cpu.cfs_quota_us``), else none (and why). Probed once
+    by creating and removing a test cgroup."""
+    mem = _cgroup_support()
+    if mem.version == 2:
+        parent = mem.parents["unified"]
+        try:
+            if "cpu" not in (parent / "cgroup.subtree_control").read_text().split():
+                (parent / "cgroup.subtree_control").write_text("+cpu")
+        except OSError as e:
+            return _CgroupSupport(0, {}, f"none: cannot enable cpu for children of {parent} ({e.strerror})")
+        return _CgroupSupport(2, {"unified": parent}, "cpu.max")
+    own = _own_cgroups()
+    point = next((Path(p) for p, fs, opts in _mounts() if fs == "cgroup" and "cpu" in opts.split(",")), None)
+    if point is None or "cpu" not in own:
+        return _CgroupSupport(0, {}, "none: no cgroup v1 cpu hierarchy and no cgroup v2 with memory/pids")
+    parent = point / own["cpu"].lstrip("/")
+    err = _try_child(parent, {"cpu.cfs_period_us": str(_CPU_PERIOD_US), "cpu.cfs_quota_us": str(_CPU_PERIOD_US)})
+    if err is not None:
+        return _CgroupSupport(0, {}, f"none: cgroup v1 cpu: {err}")
+    _sweep(parent)
+    return _CgroupSupport(1, {"cpu": parent}, "cpu.cfs_quota_us")
+
+
 def cgroup_support() -> str:
     """How sandbox runs are bounded as a group on this machine: ``"v2: ..."``, ``"v1: ..."`` or
     ``"none: <why>"`` (probed once per process by creating and removing a test cgroup)."""
@@ -387,17 +428,29 @@ def cgroup_support() -> str:
 class _Cgroup:
     """One run's cgroup (a directory per hierarchy)."""
 
-    def __init__(self, support: _CgroupSupport, memory_bytes: int, pids: int):
+    def __init__(self, support: _CgroupSupport, memory_bytes: int, pids: int,
+                 cpu: _CgroupSupport | None = None, cpus: float = 0.0):
         self.version = support.version
         name = f"{_CG_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         self.dirs: list[Path] = []
         try:
+            # CPU bandwidth of the whole run (issue 31, finding 13): without it RLIMIT_CPU bounds each
+            # process only, and max_processes of them share no budget.
+            quota = f"{max(1000, int(cpus * _CPU_PERIOD_US))}"
+            if cpu is not None and cpu.version == 1 and cpus > 0:
+                d = cpu.parents["cpu"] / name
+                d.mkdir()
+                self.dirs.append(d)
+                (d / "cpu.cfs_period_us").write_text(str(_CPU_PERIOD_US))
+                (d / "cpu.cfs_quota_us").write_text(quota)
             for parent in support.parents.values():
                 d = parent / name
                 d.mkdir()
                 self.dirs.append(d)
             if self.version == 2:
-                d = self.dirs[0]
+                d = self.dirs[-1]
+                if cpu is not None and cpu.version == 2 and cpus > 0:
+                    (d / "cpu.max").write_text(f"{quota} {_CPU_PERIOD_US}")
                 (d / "memory.max").write_text(str(memory_bytes))
                 if (d / "memory.swap.max").exists():
                     (d / "memory.swap.max").write_text("0")
@@ -727,10 +780,16 @@ def _run(
     cgroup: _Cgroup | None = None
     if support.version:
         try:
-            cgroup = _Cgroup(support, int(cfg.memory_mb) << 20, int(cfg.max_processes) + _PIDS_HEADROOM)
+            cpu = _cpu_support() if cfg.cpus > 0 else None
+            cgroup = _Cgroup(support, int(cfg.memory_mb) << 20, int(cfg.max_processes) + _PIDS_HEADROOM,
+                             cpu if cpu is not None and cpu.version else None, float(cfg.cpus))
         except OSError as e:
             support = _CgroupSupport(0, {}, f"none: creating the run's cgroup failed ({e.strerror})")
     report["cgroup"] = support.describe if cgroup is None else support.describe.split(" under ")[0]
+    if cgroup is not None and cfg.cpus > 0:
+        cpu_desc = _cpu_support().describe
+        report["cgroup"] += (f" + {cpu_desc} ({cfg.cpus:g} CPUs)" if not cpu_desc.startswith("none")
+                             else f"; cpu not limited ({cpu_desc[6:]})")
     if cgroup is None and cfg.cgroup == "require":
         return _infra(f"sandbox.cgroup = require and {support.describe}", iso, t0, report)
 
@@ -857,6 +916,10 @@ def _run(
         err = next((" ".join(r[1:-1]) for r in init_recs if r[0] == tag), None)
         if err:
             return _infra(f"sandbox could not {what}: {err}", iso, t0, report, stdout=stdout, stderr=stderr)
+    sc = next((r for r in init_recs if r[0] == "SECCOMP" and len(r) >= 3), None)
+    if sc is not None:  # candidate processes: no socket(AF_UNIX), no ptrace/mount/bpf/io_uring/...
+        report["seccomp"] = ("socket(AF_UNIX) and kernel-surface syscalls denied" if sc[1] == "on"
+                             else "none: " + " ".join(sc[2:-1]).replace("_", " "))
     stamps = {r[0]: int(r[-1]) for r in init_recs if r[-1].isdigit()}
     start = next((int(r[1]) for r in init_recs if r[0] == "START" and r[1].isdigit()), None)
     timings["prepare"] = (t_spawn - t0) / 1e6

@@ -105,6 +105,66 @@ def _expose(libc, held):
 
 
 
+# Syscalls a candidate never needs and that widen what it can reach: tracing and other processes'
+# memory, mounts and namespaces, kernel keyrings, BPF, perf, userfaultfd, io_uring (its socket and
+# file operations are not seen by seccomp), modules, kexec, raw I/O ports.
+_SECCOMP_DENY = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot",
+    "unshare", "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "kexec_load", "kexec_file_load",
+    "init_module", "finit_module", "delete_module", "open_by_handle_at", "name_to_handle_at", "iopl",
+    "ioperm", "swapon", "swapoff", "reboot", "acct", "quotactl", "syslog", "fanotify_init", "open_tree",
+    "move_mount", "fsopen", "fsmount", "fsconfig", "fspick",
+)
+# libseccomp's ABI (seccomp.h): SCMP_ACT_ALLOW, SCMP_ACT_ERRNO(EPERM = 1), SCMP_CMP_EQ; AF_UNIX = 1.
+_SCMP_ACT_ALLOW, _SCMP_ACT_EPERM, _SCMP_CMP_EQ, _AF_UNIX = 0x7FFF0000, 0x00050000 | 1, 4, 1
+
+
+def _seccomp_filter():
+    """A seccomp filter, built once in init (root) from the system's libseccomp: EPERM for
+    ``socket(AF_UNIX, ...)`` -- the network namespace hides every host network, but not the host's
+    Unix sockets whose files the sandbox can see (issue 31, finding 13) -- and for
+    :data:`_SECCOMP_DENY`. Returns ``(load, None)``, where ``load()`` installs it in the calling
+    process (after ``no_new_privs``; inherited by every child and across exec), or ``(None, why)``.
+    ``socketpair(AF_UNIX)`` stays allowed (already connected, it reaches nothing outside)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError as e:
+        return None, f"libseccomp.so.2 not found ({e})"
+
+    class Cmp(ctypes.Structure):
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                    ("datum_b", ctypes.c_uint64)]
+
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(Cmp)]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        return None, "seccomp_init failed"
+    unix = Cmp(0, _SCMP_CMP_EQ, _AF_UNIX, 0)
+    rules = [(name, 0, None) for name in _SECCOMP_DENY] + [("socket", 1, ctypes.pointer(unix))]
+    for name, n_args, args in rules:
+        nr = lib.seccomp_syscall_resolve_name(name.encode())
+        if nr < 0:  # not a syscall on this architecture
+            continue
+        rc = lib.seccomp_rule_add_array(ctx, _SCMP_ACT_EPERM, nr, n_args, args)
+        if rc < 0:
+            return None, f"seccomp rule for {name} refused ({os.strerror(-rc)})"
+
+    def load():
+        rc = lib.seccomp_load(ctx)
+        if rc < 0:
+            raise OSError(-rc, f"seccomp_load: {os.strerror(-rc)}")
+
+    return load, None
+
+
 def _set_limits(limits):
     import resource
 
@@ -727,13 +787,14 @@ def main():
         os.environ.clear()
         os.environ.update(env)
         os.chdir(workdir)
+        seccomp_load, seccomp_why = _seccomp_filter() if strong else (None, "weak mode")
         import resource  # noqa: F401 - imported while root: the stdlib may sit under a private dir
         import select
     except BaseException as e:  # noqa: BLE001 - any failure before the candidate runs is infrastructure
         init_report("SETUP_ERROR " + _one_line(f"{type(e).__name__}: {e}"))
         os._exit(2)
 
-    def spawn(kind, run_as, argv=None, cwd=None, env=None, fds=()):
+    def spawn(kind, run_as, argv=None, cwd=None, env=None, fds=(), confine=True):
         """Fork a worker; returns (pid, None) once it is about to run candidate (or grader) code, or
         (pid, why) when it failed before that -- an infrastructure error, not the candidate's."""
         # Close-on-exec: an exec that works closes it silently; python workers close it themselves
@@ -750,6 +811,8 @@ def main():
                     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)  # set-uid binaries cannot regain root
                     libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # /proc/self/{mem,fd,...} become root-only
                 _set_limits(setup["limits"])
+                if confine and seccomp_load is not None:
+                    seccomp_load()  # candidate processes only: the grader and the test runner are trusted
                 if cwd is not None:
                     os.chdir(cwd)
                 keep = sorted({sw, *fds})
@@ -836,6 +899,7 @@ def main():
         kill_everyone_else()
         os._exit(2)
 
+    init_report("SECCOMP " + ("on" if seccomp_load is not None else "off " + _one_line(seccomp_why).replace(" ", "_")))
     init_report("READY")
     if mode == "io":
         pid, why = spawn(mode, uid, fds=(result_fd,))
@@ -850,17 +914,25 @@ def main():
         # the other process, which alone holds the result channel (issue 31, finding 2).
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
-        _, why = spawn("server", uid, fds=(req_r, resp_w))
+        t_phase = time.monotonic()
+        server, why = spawn("server", uid, fds=(req_r, resp_w))
         if why:
             worker_failed(why)
         read_secret()
-        pid, why = spawn("tests", setup["runner_uid"], cwd="/", fds=(result_fd, req_w, resp_r))
+        pid, why = spawn("tests", setup["runner_uid"], cwd="/", fds=(result_fd, req_w, resp_r), confine=False)
         for fd in (req_r, req_w, resp_r, resp_w, result_fd):
             os.close(fd)
         if why:
             worker_failed(why)
         status = wait_with_deadline(pid, setup["phase_seconds"])
         init_report(status_line("WORKER", status))
+        # The candidate's own fate (a CPU limit, a signal) names why its tests failed. It sees end of
+        # file once the runner is gone; one that lingers past that is killed without a record (its
+        # answers are in already).
+        left = max(0.0, min(1.0, setup["phase_seconds"] - (time.monotonic() - t_phase)))
+        cstatus = wait_with_deadline(server, left)
+        if cstatus is not None:
+            init_report(status_line("CANDIDATE", cstatus))
         kill_everyone_else()
     else:
         pid, why = spawn("shell", uid, ["candidate.sh"])
@@ -877,7 +949,7 @@ def main():
         init_report("GRADER_READY " + ("nosymfollow" if genv.pop("_NOSYMFOLLOW", "") else "symlinks"))
         # The grader comes from init's memory (it never lived in the writable tree) and runs only
         # after every candidate process is dead, so only the files the candidate left count.
-        pid, why = spawn("shell", grader_uid, ["-c", setup["grader"]], cwd=gdir, env=genv)
+        pid, why = spawn("shell", grader_uid, ["-c", setup["grader"]], cwd=gdir, env=genv, confine=False)
         if why:
             worker_failed("grader: " + why)
         status = wait_with_deadline(pid, setup["phase_seconds"])

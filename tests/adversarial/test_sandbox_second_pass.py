@@ -8,6 +8,7 @@ the reason, on a machine that has none.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -340,3 +341,100 @@ def test_proxy_path_keeps_free_form_tests_working():
     gone = run_python_tests(sol + "import os\nos._exit(0)\n", tests, CFG)
     assert not gone.passed and gone.infra_error is None
     assert all(v.startswith("failed: importing solution failed") for v in gone.per_test.values()), gone.per_test
+
+
+# --------------------------------------------------- finding 13: host unix sockets, CPU of a whole run
+
+
+@needs_ns
+@pytest.mark.parametrize("grading", ["io", "proxy"])
+def test_host_unix_socket_is_unreachable_from_the_sandbox(grading):
+    """Finding 13: the network namespace hides every host network but not the host's Unix sockets
+    whose files the sandbox can see (a database, a container runtime, flywheel's own store share).
+    A candidate connected to one here before; now ``socket(AF_UNIX)`` is refused by seccomp."""
+    import socket
+    import threading
+
+    path = f"/run/fw-sbx-test-{os.getpid()}.sock"
+    got: list[bytes] = []
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    os.chmod(path, 0o777)  # any uid may connect: only the sandbox stands in the way
+    srv.listen(1)
+    srv.settimeout(8)
+
+    def accept():
+        try:
+            conn, _ = srv.accept()
+            got.append(conn.recv(100))
+            conn.close()
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    attack = textwrap.dedent(
+        f"""
+        import socket
+
+        def add(a, b):
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect({path!r})
+                s.sendall(b"escaped")
+                return a + b
+            except OSError as e:
+                raise RuntimeError(f"refused: {{e}}")
+        """
+    )
+    tests = "from solution import add\n\ndef test_a():\n    assert add(2, 3) == 5\n"
+    if grading == "proxy":
+        tests = tests.replace("    assert add(2, 3) == 5", "    for x in [2]:\n        assert add(x, 3) == 5")
+    try:
+        r = run_python_tests(attack, tests, CFG, grading=grading)
+        srv.shutdown(socket.SHUT_RDWR)  # ends accept() at once when nothing connected
+        t.join(10)
+    finally:
+        srv.close()
+        os.unlink(path)
+    assert got == [], "the candidate reached a host unix socket"
+    assert r.infra_error is None and not r.passed
+    assert "refused" in r.per_test["test_a"] and "Operation not permitted" in r.per_test["test_a"]
+    assert r.report["seccomp"].startswith("socket(AF_UNIX)")
+
+
+SPIN = textwrap.dedent(
+    """
+    import os
+
+    def add(a, b):
+        for _ in range(3):
+            if os.fork() == 0:
+                break
+        while True:
+            pass
+    """
+)
+
+
+@needs_ns
+def test_cpu_of_a_whole_run_is_bounded_by_its_cgroup():
+    """Finding 13: CPU was limited per process only (RLIMIT_CPU), so 64 processes x 10 s of CPU fit in
+    one run. ``sandbox.cpus`` now caps the CPU bandwidth of all the run's processes together
+    (cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``), so a run uses at most cpus x wall seconds.
+    Four spinning processes for a 4 s wall clock at 0.25 CPUs: about 1 s of CPU, not 4 x 4."""
+    import resource
+
+    support = sb._cpu_support()
+    if support.version == 0:
+        pytest.skip(f"no writable cpu cgroup on this machine: {support.describe}")
+    cfg = SandboxConfig(cpu_seconds=30, memory_mb=256, max_processes=16, wall_seconds=4, cpus=0.25)
+    tests = "from solution import add\n\ndef test_a():\n    assert add(2, 3) == 5\n"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = run_python_tests(SPIN, tests, cfg)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert r.infra_error is None and not r.passed and r.killed_reason == "wall_timeout"
+    assert "cpu" in r.report["cgroup"]
+    # 0.25 CPUs x 4 s = 1 s, plus the interpreter's start and teardown outside the throttled phase.
+    assert used < 0.25 * 4 + 0.6, f"{used:.2f} s of CPU in one run"
