@@ -438,3 +438,22 @@ def test_cpu_of_a_whole_run_is_bounded_by_its_cgroup():
     assert "cpu" in r.report["cgroup"]
     # 0.25 CPUs x 4 s = 1 s, plus the interpreter's start and teardown outside the throttled phase.
     assert used < 0.25 * 4 + 0.6, f"{used:.2f} s of CPU in one run"
+
+
+@needs_ns
+def test_flywheel_status_says_when_the_sandbox_cannot_start(home, tmp_path, monkeypatch):
+    """Finding 1, the command a user runs: ``flywheel status`` names the reason in its sandbox
+    warning instead of reporting a working "netns" sandbox."""
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    sb._probe_sandbox.cache_clear()
+    monkeypatch.setattr(sb, "PYTHON", "/nonexistent/bin/python3")
+    try:
+        r = CliRunner().invoke(app, ["status"])
+    finally:
+        sb._probe_sandbox.cache_clear()
+    assert r.exit_code == 0, r.output
+    assert "cannot start" in r.stderr and "/nonexistent/bin/python3" in r.stderr
