@@ -19,7 +19,12 @@ Sampler log-probabilities (``Sample.logprobs``):
   model distribution ``log softmax(logits)``; a point mass would carry no information.
 
 Batching: prompts are sorted by length and cut into chunks of at most ``max_batch_rows`` rows
-(prompts x n), left-padded; results come back in the caller's order.
+(prompts x n), left-padded; results come back in the caller's order. The prompt prefix every prompt of
+a chunk shares (at least :data:`PREFIX_MIN_TOKENS` tokens: an agent's system prompt and tool list sent
+with every request, the tool instructions of the BFCL format) is encoded once and its KV cache repeated
+to the rows; each row's own tail is left-padded after it (``[prefix | pad | tail]``, the padding masked,
+positions counting real tokens only). ``flywheel serve`` merges concurrent requests into one call, the
+gate and rollouts pass whole suites, so each batch pays for the shared part once.
 
 Not guaranteed: bit-identical samples across devices, dtypes, or batch shapes (padding changes the
 floating-point summation order by ~1e-6 in fp32, which can flip a near-tie); thread-parallel
@@ -54,6 +59,23 @@ class _Shared:
     tokenizer: Any
     device: Any
     lock: threading.RLock = field(default_factory=threading.RLock)
+
+
+#: A shared prompt prefix shorter than this is encoded with each row (one more model call is not worth it).
+PREFIX_MIN_TOKENS = 16
+
+
+def shared_prefix_len(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with, leaving each prompt at least one token of its own (the row's
+    last prompt token must be computed in its own row to give that row's first logits)."""
+    if not prompts:
+        return 0
+    first = prompts[0]
+    n = min(len(x) for x in prompts) - 1
+    k = 0
+    while k < n and all(x[k] == first[k] for x in prompts):
+        k += 1
+    return max(k, 0)
 
 
 def should_merge(merge: str, dtype: Any) -> bool:
@@ -98,6 +120,9 @@ class HFPolicy:
             raise ValueError(f"max_batch_rows must be >= 1 (got {max_batch_rows})")
         self.max_batch_rows = max_batch_rows
         self._eos_ids = self._end_ids()
+        # Encode the prompt prefix a batch's rows share once (see _generate_chunk); a switch for A/B checks.
+        self.prefix_sharing = True
+        self.prefix_tokens_saved = 0  # prompt tokens not encoded thanks to it, since this policy was made
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -349,16 +374,33 @@ class HFPolicy:
         dev = self.device
         pad = int(self.tokenizer.pad_token_id)
         n_p, n = len(prompts), p.n
-        width = max(len(x) for x in prompts)
+        shared = shared_prefix_len(prompts) if self.prefix_sharing and n_p > 1 else 0
+        if shared < PREFIX_MIN_TOKENS:
+            shared = 0
+        prefix_cache = None
+        if shared:
+            # The prompt part every row shares (an agent's system prompt and tool list; the demo's tool
+            # instructions) is encoded once and its KV cache fanned out to the rows.
+            out = self.model(input_ids=torch.tensor([prompts[0][:shared]], dtype=torch.long, device=dev),
+                             use_cache=True, logits_to_keep=1)
+            prefix_cache = out.cache
+            prefix_cache.batch_repeat_interleave(n_p)
+            self.prefix_tokens_saved += shared * (n_p - 1)
+        tails = [ids[shared:] for ids in prompts]
+        width = max(len(x) for x in tails)
         input_ids = torch.full((n_p, width), pad, dtype=torch.long)
-        attn = torch.zeros((n_p, width), dtype=torch.long)
-        for r, ids in enumerate(prompts):  # left padding: every row's last prompt token is aligned
+        attn = torch.zeros((n_p, shared + width), dtype=torch.long)
+        attn[:, :shared] = 1
+        for r, ids in enumerate(tails):  # left padding of the tails: every row's last prompt token is aligned
             input_ids[r, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attn[r, width - len(ids) :] = 1
+            attn[r, shared + width - len(ids) :] = 1
         input_ids, attn = input_ids.to(dev), attn.to(dev)
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        # [prefix | pad | tail]: the padding sits between the shared prefix and each row's tail, masked;
+        # positions count only real tokens, so every row sees the same positions as without sharing.
+        positions = ((attn.cumsum(-1) - 1).clamp(min=0))[:, shared:]
         out = self.model(
-            input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1
+            input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1,
+            **({"cache": prefix_cache} if prefix_cache is not None else {}),
         )
         cache = out.cache
         logits = out.logits[:, -1, :].float()

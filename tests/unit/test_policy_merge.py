@@ -82,3 +82,40 @@ def test_merge_policy_folds_only_float32_under_auto():
     assert not should_merge("never", torch.float32)
     with pytest.raises(ValueError, match="auto, always or never"):
         should_merge("sometimes", torch.float32)
+
+
+SYSTEM = ("You are an agent of the ACME support desk. Answer with a tool call when a tool fits, else in one "
+          "sentence. Never invent order numbers; ask for them. " * 3)
+SHARED = [
+    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is my order 1234?"}],
+    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Cancel it."}],
+    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What are your opening hours on Sunday, please?"}],
+]
+
+
+def test_a_shared_system_prompt_is_encoded_once_with_the_same_answers(tiny_home):
+    """Issue 32: the prompt prefix a batch shares is encoded once; answers and sampler log-probs are those
+    of encoding every prompt whole."""
+    pol = tiny_policy(tiny_home)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=7)
+    pol.prefix_sharing = False
+    whole_g, whole_s = pol.generate(SHARED, greedy), pol.generate(SHARED, sampled)
+    assert pol.prefix_tokens_saved == 0
+    pol.prefix_sharing = True
+    shared_g, shared_s = pol.generate(SHARED, greedy), pol.generate(SHARED, sampled)
+    assert pol.prefix_tokens_saved > 2 * 40  # two of the three rows skipped the shared system prompt, twice
+    assert [g[0].completion_token_ids for g in shared_g] == [g[0].completion_token_ids for g in whole_g]
+    for a, b in zip(shared_s, whole_s, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x.completion_token_ids == y.completion_token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
+def test_shared_prefix_leaves_every_prompt_a_token_of_its_own():
+    from flywheel.policy.hf import shared_prefix_len
+
+    assert shared_prefix_len([[1, 2, 3, 4], [1, 2, 3, 5]]) == 3
+    assert shared_prefix_len([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shorter prompt keeps its last token
+    assert shared_prefix_len([[1, 2], [3, 2]]) == 0
+    assert shared_prefix_len([[7, 7, 7]]) == 2
