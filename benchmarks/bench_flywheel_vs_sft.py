@@ -1,27 +1,35 @@
-"""Does the flywheel beat plain fine-tuning? Same production traffic, same CPU wall-clock budget.
+"""Does the flywheel beat plain fine-tuning? Same production traffic, same process CPU-seconds of learning.
 
 From one wave of production traffic (BFCL questions answered by SmolLM2-135M through `flywheel serve`,
-exactly as the demo's wave 1):
+exactly as the demo's wave 1; replayed once and shared by every run):
 
-(a) **the flywheel**: one `flywheel_cycle` with the demo's cpu profile -- failure-targeted evals,
-    synthetic variants, SFT warm start on the corrections, GRPO on the SFT model's own rollouts,
-    gate;
+(a) **the flywheel**: one `flywheel_cycle` with the demo's cpu profile (train.mode = arms: a first SFT pass
+    over every real correction, a probe that aims the synthesis, arms -- plain-SFT control, targeted
+    synthesis, RPO, GRPO where groups carry signal -- chosen on a dev split, gate);
 (b) **plain SFT** (the named peer): supervised fine-tuning of the base model on the same traffic's
-    corrections (the train-split failures' BFCL answers; the held-out ones are never trained on),
-    with as many steps as fit in the wall-clock seconds (a) spent learning (synth + rollouts + SFT +
-    GRPO), at (a)'s measured seconds per SFT step.
+    corrections (every train-split failure's BFCL answer; held-out ones never), for the process
+    CPU-seconds (a)'s whole learning stage used (probe, synthesis, arms and dev decoding included),
+    its steps sized from (a)'s measured CPU-seconds per SFT step and capped by that budget.
 
-Both models are then scored, greedy pass@1 with the gate's decoding, on (1) the same held-out suite
-version and (2) BFCL questions of the development categories that neither saw (the questions after
-the wave's). Printed: pass rates with 95% Wilson intervals, and the exact one-sided sign test on the
-paired items in each direction.
+Budgets: ``--budgets 1 2 4`` scales the flywheel's learning (first-pass epochs and arm steps) and so the
+peer's CPU-seconds. Seeds: ``--seeds 0 1 2 3 4`` re-seed synthesis, rollouts and training (the split
+keeps its seed, so every run gates on the same held-out suite). The flywheel always runs first in a
+(seed, budget) pair because its measured CPU-seconds set the peer's budget; CPU-seconds, unlike wall
+seconds, do not grow with a busy machine.
 
-    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py            # ~30-40 min on 2 cores
-    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --quick    # smaller wave, fewer unseen questions
-    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --json
-    # (a) already run: a home where the demo's wave 1 and cycle 1 ran, e.g. one that
-    # `benchmarks/demo_seeds.py --workdir W` keeps (W/seed-0); same --seed as that run
-    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --cycle-home W/seed-0 --seed 0
+Both models are scored greedily with the gate's decoding on (1) the held-out suite and (2) BFCL
+questions of the four development categories that no wave asked (``--unseen``, default 400: all that
+the demo's two waves leave). Printed per run: pass rates with 95% Wilson intervals and the exact sign
+test on the discordant items both ways; pooled over seeds: the summed discordant counts and a bootstrap
+over items (items resampled with replacement, the same draw for every seed, so an item that repeats
+across seeds is counted once per draw) giving the pooled difference's 95% interval and the share of
+draws in which the flywheel is not ahead.
+
+    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py                       # 1 seed, 1x, ~45 min on 2 cores
+    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --seeds 0 1 2 3 4 --budgets 1 2 4   # hours
+    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --quick               # smaller wave and unseen set
+    # (a) already run: a home where the demo's wave 1 and cycle 1 ran (same seed), 1x only
+    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --cycle-home .flywheel --seed 0
 
 Measured figures: benchmarks/README.md.
 """
@@ -44,8 +52,25 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 QUICK_WAVE = {"simple_python": 30, "multiple": 15, "parallel": 12, "parallel_multiple": 13}
-UNSEEN = {"simple_python": 40, "multiple": 20, "parallel": 20, "parallel_multiple": 20}
-QUICK_UNSEEN = {"simple_python": 15, "multiple": 5, "parallel": 5, "parallel_multiple": 5}
+QUICK_UNSEEN = 30
+
+
+def unseen_counts(total: int, start: dict[str, int]) -> dict[str, int]:
+    """``total`` unseen questions over the four categories, in proportion to what each has left after
+    ``start`` (the questions every wave of the demo asks come first)."""
+    from flywheel.verifiers.bfcl import load_bfcl
+
+    left = {c: max(len(load_bfcl(c)) - start.get(c, 0), 0) for c in ("simple_python", "multiple", "parallel",
+                                                                      "parallel_multiple")}
+    avail = sum(left.values())
+    total = min(total, avail)
+    out = {c: (n * total) // avail for c, n in left.items()}
+    for c in sorted(left, key=lambda c: -left[c]):  # hand out the rounding remainder
+        if sum(out.values()) >= total:
+            break
+        if out[c] < left[c]:
+            out[c] += 1
+    return out
 
 
 def unseen_suite(offsets: dict[str, int], counts: dict[str, int]) -> Any:
@@ -96,27 +121,57 @@ def compare(a: dict[str, bool], b: dict[str, bool]) -> dict[str, Any]:
     }
 
 
+def pooled(runs: list[dict[str, Any]], label: str, draws: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Pooled over runs: summed discordant counts, the exact sign test on them, and a bootstrap over items
+    (one resample of the item ids per draw, applied to every run, so a repeated item counts once per draw)."""
+    import numpy as np
+
+    from flywheel.stats import sign_test
+
+    per = [r["results"][label] for r in runs]
+    wins, losses = sum(p["flywheel_only"] for p in per), sum(p["sft_only"] for p in per)
+    ids = sorted(set.intersection(*(set(p["per_item"]) for p in per))) if per else []
+    if not ids:
+        return {"wins": wins, "losses": losses}
+    a = np.array([[p["per_item"][i][0] for i in ids] for p in per], dtype=float)  # runs x items
+    b = np.array([[p["per_item"][i][1] for i in ids] for p in per], dtype=float)
+    rng = np.random.default_rng(seed)
+    diffs = np.empty(draws)
+    for k in range(draws):
+        j = rng.integers(0, len(ids), len(ids))
+        diffs[k] = (a[:, j] - b[:, j]).mean()
+    return {"runs": len(per), "items": len(ids), "wins": wins, "losses": losses,
+            "diff": float((a - b).mean()), "ci": [float(np.quantile(diffs, 0.025)), float(np.quantile(diffs, 0.975))],
+            "p_bootstrap_not_ahead": float((diffs <= 0).mean()), "p_sign_flywheel_better": sign_test(wins, losses),
+            "p_sign_sft_better": sign_test(losses, wins)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smaller wave and fewer unseen questions")
-    ap.add_argument("--home", help="keep the run's home here (default: a temporary directory)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", "--home", dest="workdir", help="keep the runs' homes here (default: a temporary directory)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--seed", type=int, help="one seed (same as --seeds N)")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[1.0], help="multiples of the cpu profile's learning")
+    ap.add_argument("--unseen", type=int, default=400, help="unseen BFCL questions to score on")
     ap.add_argument("--cycle-home", help="reuse (a): a home where wave 1 and cycle 1 already ran (its last "
-                    "cycle.completed event gives the stages and timings); --seed must be that run's seed")
+                    "cycle.completed event gives the stages); 1x and --seed must match that run")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.seed is not None:
+        args.seeds = [args.seed]
+
+    import shutil
 
     from flywheel.flows.cycle_env import prefect_environment
 
     from flywheel import demo as d
 
-    if args.cycle_home:
-        home = Path(args.cycle_home).resolve()
-        if not (home / "warehouse.duckdb").is_file():
-            ap.error(f"--cycle-home {home}: no warehouse.duckdb there")
-    else:
-        home = Path(args.home or tempfile.mkdtemp(prefix="bench-flywheel-vs-sft-")) / "home"
-    for k, v in prefect_environment(home).items():  # the embedded default, before prefect is imported
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-flywheel-vs-sft-"))
+    base_home = Path(args.cycle_home).resolve() if args.cycle_home else work / "wave1"
+    if args.cycle_home and not (base_home / "warehouse.duckdb").is_file():
+        ap.error(f"--cycle-home {base_home}: no warehouse.duckdb there")
+    for k, v in prefect_environment(base_home).items():  # the embedded default, before prefect is imported
         os.environ.setdefault(k, v)
     from flywheel.flows.cycle import run_cycle
 
@@ -128,85 +183,126 @@ def main() -> int:
     from flywheel.train.stage import train_sft
     from flywheel.versioning import load_suite
 
-    overrides = d.demo_overrides("cpu", home, args.seed)
-    cfg = load_config(environ={k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}, overrides=overrides)
-    cfg.ensure_home()
-    wave = QUICK_WAVE if args.quick else d.PROFILES["cpu"]["waves"][0]
-    unseen_counts = QUICK_UNSEEN if args.quick else UNSEEN
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    waves = d.PROFILES["cpu"]["waves"]
+    wave = QUICK_WAVE if args.quick else waves[0]
+    asked = {c: sum(w.get(c, 0) for w in waves) for c in waves[0]}
+    unseen_n = unseen_counts(QUICK_UNSEEN if args.quick else args.unseen, asked)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     t_start = time.perf_counter()
 
-    tracker = Tracker(cfg)
-    with open_store(cfg) as store:
-        open_artifacts(cfg)
-        base_version, _ = d.ensure_champion(cfg, store, tracker)
-    items = d.traffic_items(wave)
-    if args.cycle_home:
-        with open_store(cfg) as store:
-            done = store.read(types=["cycle.completed"], limit=1, newest_first=True)
-        if not done:
-            ap.error(f"--cycle-home {home}: no completed cycle there")
-        result = done[0].payload
-        cycle_s = float(result["wall_s"])
-        log(f"(a) the flywheel: reusing {done[0].stream} ({result['outcome']}, {cycle_s:.0f} s) in {home}")
-    else:
+    # wave 1 once: the base model answers greedily, so every run learns from the same traffic
+    ov0 = d.demo_overrides("cpu", base_home)
+    cfg0 = load_config(environ=environ, overrides=ov0)
+    if not args.cycle_home and not ((base_home / "inbox").is_dir() and any((base_home / "inbox").iterdir())):
+        cfg0.ensure_home()
+        with open_store(cfg0) as store:
+            open_artifacts(cfg0)
+            d.ensure_champion(cfg0, store, Tracker(cfg0))
+        items = d.traffic_items(wave)
         log(f"traffic: {len(items)} BFCL questions through the served base model …")
-        d.run_wave(cfg, "cpu", 1, items, config_path=None, overrides=overrides, ui=d.SILENT)
+        d.run_wave(cfg0, "cpu", 1, items, config_path=None, overrides=ov0, ui=d.SILENT)
+    unseen = unseen_suite(asked, unseen_n)
 
-        log("(a) the flywheel: one cycle …")
-        t0 = time.perf_counter()
-        result = run_cycle(cfg, overrides=overrides)
-        cycle_s = time.perf_counter() - t0
-    tm = result.get("timings") or {}
-    learning_s = sum(tm.get(k, 0.0) for k in ("synth", "rollouts", "train-sft", "rollouts-after-sft", "train-grpo"))
-    st = result["stages"]
-    flywheel_version = (st.get("grpo") or {}).get("model_version") or st["sft"]["model_version"]
-    sec_per_step = tm["train-sft"] / max(1, st["sft"]["steps"])
-    sft_steps = max(1, int(learning_s // sec_per_step))
-
-    log(f"(b) plain SFT of the base model: {sft_steps} steps in the same {learning_s:.0f} s …")
-    with open_store(cfg) as store:
-        artifacts = open_artifacts(cfg)
-        train_suite = load_suite(store, artifacts, "train")
-        demos = demonstrations_from_tasks(train_suite.tasks)
-        t0 = time.perf_counter()
-        sft = train_sft(cfg, store, artifacts, tracker, demos, base=f"model:{cfg.cycle.model_name}/{base_version}",
-                        steps=sft_steps)
-        sft_s = time.perf_counter() - t0
-
-        log("scoring both on the held-out suite and on unseen BFCL questions …")
-        heldout = load_suite(store, artifacts, cfg.cycle.heldout_suite)
-        unseen = unseen_suite({c: n for c, n in wave.items()}, unseen_counts)
-        res = {}
-        for label, suite in (("heldout", heldout), ("unseen", unseen)):
-            a = score(cfg, store, artifacts, tracker, flywheel_version, suite)
-            b = score(cfg, store, artifacts, tracker, sft.model_version, suite)
-            res[label] = {"suite": suite.entity_id, **compare(a, b)}
-
-    out = {
-        "load_average": os.getloadavg(), "traffic": len(items), "seed": args.seed,
-        "flywheel": {"model": f"model:{cfg.cycle.model_name}/{flywheel_version}", "cycle_s": round(cycle_s, 1),
-                     "learning_s": round(learning_s, 1), "timings": tm, "gate": st.get("gate", {}).get("outcome")},
-        "plain_sft": {"model": f"model:{cfg.cycle.model_name}/{sft.model_version}", "steps": sft_steps,
-                      "wall_s": round(sft_s, 1), "demonstrations": len(demos)},
-        "results": res, "total_s": round(time.perf_counter() - t_start, 1), "home": str(home),
-    }
+    runs: list[dict[str, Any]] = []
+    for seed in args.seeds:
+        for factor in args.budgets:
+            if args.cycle_home:
+                home = base_home
+            else:
+                home = work / f"seed-{seed}-x{factor:g}"
+                if home.exists():
+                    shutil.rmtree(home)
+            ov = d.demo_overrides("cpu", home, seed)
+            ov["train"]["first_pass_epochs"] = ov["train"]["first_pass_epochs"] * factor
+            ov["train"]["arm_steps"] = max(1, round(ov["train"]["arm_steps"] * factor))
+            cfg = load_config(environ=environ, overrides=ov)
+            tracker = Tracker(cfg)
+            if args.cycle_home:
+                with open_store(cfg) as store:
+                    done = store.read(types=["cycle.completed"], limit=1, newest_first=True)
+                    first_cycle = store.read(types=["cycle.completed"], limit=1)
+                if not done:
+                    ap.error(f"--cycle-home {home}: no completed cycle there")
+                result = first_cycle[0].payload  # cycle 1: the one that learned from wave 1 only
+                log(f"seed {seed} x{factor:g}: (a) reusing {first_cycle[0].stream} ({result['outcome']})")
+            else:
+                cfg.ensure_home()
+                shutil.copytree(base_home / "models", home / "models")
+                shutil.copytree(base_home / "inbox", home / "inbox")
+                with open_store(cfg) as store:
+                    open_artifacts(cfg)
+                    d.ensure_champion(cfg, store, tracker)
+                log(f"seed {seed} x{factor:g}: (a) the flywheel, one cycle …")
+                result = run_cycle(cfg, overrides=ov)
+            st = result["stages"]
+            learn = st.get("learn") or {}
+            if not learn:
+                ap.error("the cycle ran no learning stage (train.mode = arms): nothing to compare")
+            flywheel_version = int(learn["model_version"])
+            budget_cpu = float(learn.get("cpu_s") or 0.0)
+            fp = learn["first_pass"]
+            cpu_per_step = float(fp["cpu_s"]) / max(1, int(fp["steps"]))
+            sft_steps = max(1, int(budget_cpu // cpu_per_step))
+            with open_store(cfg) as store:
+                artifacts = open_artifacts(cfg)
+                train_suite = load_suite(store, artifacts, "train")
+                demos = demonstrations_from_tasks(train_suite.tasks)
+                log(f"seed {seed} x{factor:g}: (b) plain SFT, {sft_steps} steps within {budget_cpu:.0f} CPU-s …")
+                c0, t0 = time.process_time(), time.perf_counter()
+                sft = train_sft(cfg, store, artifacts, tracker, demos, base=cfg.policy.base_model, steps=sft_steps,
+                                budget_cpu_s=budget_cpu)
+                sft_cpu, sft_wall = time.process_time() - c0, time.perf_counter() - t0
+                log(f"seed {seed} x{factor:g}: scoring both on the held-out suite and {len(unseen.tasks)} unseen questions …")
+                heldout = load_suite(store, artifacts, cfg.cycle.heldout_suite)
+                res = {}
+                for label, suite in (("heldout", heldout), ("unseen", unseen)):
+                    a = score(cfg, store, artifacts, tracker, flywheel_version, suite)
+                    b = score(cfg, store, artifacts, tracker, sft.model_version, suite)
+                    res[label] = {"suite": suite.entity_id, **compare(a, b),
+                                  "per_item": {i: (a[i], b[i]) for i in sorted(set(a) & set(b))}}
+            runs.append({
+                "seed": seed, "budget": factor, "home": str(home),
+                "flywheel": {"model": f"model:{cfg.cycle.model_name}/{flywheel_version}", "learn_cpu_s": budget_cpu,
+                             "learn_wall_s": learn.get("wall_s"), "chosen": learn.get("chosen"), "why": learn.get("why"),
+                             "arms": [{k: a.get(k) for k in ("name", "steps", "tokens", "cpu_s", "dev_passed", "dev_items",
+                                                               "skipped")} for a in learn.get("arms") or []],
+                             "probe": (learn.get("probe") or {}).get("counts"), "gate": (st.get("gate") or {}).get("outcome")},
+                "plain_sft": {"model": f"model:{cfg.cycle.model_name}/{sft.model_version}", "steps": sft.steps,
+                              "cpu_s": round(sft_cpu, 1), "wall_s": round(sft_wall, 1), "demonstrations": len(demos)},
+                "results": res,
+            })
+    out = {"load_average": os.getloadavg(), "seeds": args.seeds, "budgets": args.budgets, "unseen": unseen_n,
+           "runs": runs, "pooled": {}, "total_s": round(time.perf_counter() - t_start, 1), "workdir": str(work)}
+    for factor in args.budgets:
+        rs = [r for r in runs if r["budget"] == factor]
+        out["pooled"][f"x{factor:g}"] = {label: pooled(rs, label) for label in ("heldout", "unseen")}
     if args.json:
+        for r in runs:
+            for v in r["results"].values():
+                v.pop("per_item", None)
         print(json.dumps(out, indent=2, default=str))
         return 0
     la = out["load_average"]
-    print(f"flywheel vs plain SFT: {len(items)} production questions, seed {args.seed} "
+    print(f"flywheel vs plain SFT (same process CPU-seconds): seeds {args.seeds}, budgets {args.budgets} "
           f"(load average {la[0]:.1f} on {os.cpu_count()} cores)")
-    print(f"  (a) flywheel  : {out['flywheel']['model']}, learning {learning_s:.0f} s of a {cycle_s:.0f} s cycle "
-          f"(SFT {st['sft']['steps']} steps + synth + GRPO), gate {out['flywheel']['gate']}")
-    print(f"  (b) plain SFT : {out['plain_sft']['model']}, {sft_steps} steps on {len(demos)} corrections in {sft_s:.0f} s")
-    for label, r in res.items():
-        fa, fb = r["flywheel_wilson"], r["sft_wilson"]
-        print(f"  {label:8s} ({r['items']} items, {r['suite']}): flywheel {r['flywheel_passed']}/{r['items']} = "
-              f"{r['flywheel_rate']:.1%} [{fa[0]:.1%}, {fa[1]:.1%}]  vs  plain SFT {r['sft_passed']}/{r['items']} = "
-              f"{r['sft_rate']:.1%} [{fb[0]:.1%}, {fb[1]:.1%}]")
-        print(f"           discordant: flywheel only {r['flywheel_only']}, SFT only {r['sft_only']}; exact sign test "
-              f"p(flywheel better) = {r['p_flywheel_better']:.4g}, p(SFT better) = {r['p_sft_better']:.4g}")
+    for r in runs:
+        f, p = r["flywheel"], r["plain_sft"]
+        print(f"  seed {r['seed']} x{r['budget']:g}: flywheel {f['model']} ({f['chosen']} shipped; learning "
+              f"{f['learn_cpu_s']:.0f} CPU-s)  vs  plain SFT {p['model']} ({p['steps']} steps, {p['cpu_s']:.0f} CPU-s, "
+              f"{p['demonstrations']} corrections)")
+        for label, x in r["results"].items():
+            fa, fb = x["flywheel_wilson"], x["sft_wilson"]
+            print(f"    {label:8s} ({x['items']} items): flywheel {x['flywheel_passed']}/{x['items']} = "
+                  f"{x['flywheel_rate']:.1%} [{fa[0]:.1%}, {fa[1]:.1%}]  vs  SFT {x['sft_passed']}/{x['items']} = "
+                  f"{x['sft_rate']:.1%} [{fb[0]:.1%}, {fb[1]:.1%}]; discordant {x['flywheel_only']} / {x['sft_only']}, "
+                  f"p(flywheel better) = {x['p_flywheel_better']:.3g}, p(SFT better) = {x['p_sft_better']:.3g}")
+    for key, by_label in out["pooled"].items():
+        for label, pl in by_label.items():
+            if "diff" in pl:
+                print(f"  pooled {key} {label}: {pl['runs']} runs x {pl['items']} items, flywheel - SFT "
+                      f"{pl['diff']:+.1%} [{pl['ci'][0]:+.1%}, {pl['ci'][1]:+.1%}] (item bootstrap), discordant "
+                      f"{pl['wins']} / {pl['losses']}, p(not ahead) = {pl['p_bootstrap_not_ahead']:.3g}")
     return 0
 
 

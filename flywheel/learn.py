@@ -16,8 +16,9 @@ evidence that is not the held-out suite.
                    steps of ``batch_size`` sequences, and at most ``arm_budget_cpu_s`` process CPU-seconds):
                    control   = continued plain SFT on the real corrections;
                    targeted  = SFT on real corrections + the synthetic variants the probe asked for;
-                   rpo       = DPO + NLL on preference pairs (the policy's verified failures vs the
-                               corrections; ``flywheel.train.preference``);
+                   rpo       = DPO + NLL on preference pairs: the corrections against the answers that
+                               failed in production and against the first-pass model's own verified
+                               failures from its rollouts (``flywheel.train.preference``);
                    grpo      = GRPO on the first-pass model's own rollouts, only when at least
                                ``grpo_min_signal_groups`` groups carry signal (else skipped, with the count)
     choice         every arm is decoded greedily on the dev split; the best arm wins only if it passes
@@ -43,6 +44,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -71,6 +73,7 @@ class ArmResult:
     model_version: int | None = None
     model_entity: str | None = None
     run_id: str | None = None
+    mlflow_run_id: str | None = None
     steps: int = 0
     tokens: int = 0
     cpu_s: float = 0.0
@@ -95,6 +98,8 @@ class LearnResult:
     fold_in: dict[str, Any] | None = None
     mode: str = "arms"
     metrics: dict[str, float] = field(default_factory=dict)
+    cpu_s: float = 0.0  # process CPU-seconds of the whole stage (dev decoding and registration included)
+    wall_s: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -241,6 +246,7 @@ def run_learning(
     t = cfg.train
     say = progress or (lambda stage, info: None)
     learn_id = f"learn:{uuid.uuid4().hex[:16]}"
+    whole = _Clock()
     env = load_env(store, artifacts, cfg.cycle.train_env)
     try:
         regression = [x for x in load_suite(store, artifacts, cfg.cycle.regression_suite).tasks
@@ -270,8 +276,8 @@ def run_learning(
                       on_step=lambda s, m: say("learn", {"phase": "first pass", "step": s, "total": fp_steps,
                                                          "loss": m.get("loss")}))
     wall, cpu = clock.done()
-    first_info = {"model_entity": first.model_entity, "model_version": first.model_version, "run_id": first.run_id,
-                  "steps": first.steps, "demonstrations": len(real_demos), "tokens": _tokens(first), "cpu_s": cpu,
+    first_info = {"base": base, "model_entity": first.model_entity, "model_version": first.model_version, "run_id": first.run_id,
+                  "mlflow_run_id": first.mlflow_run_id, "steps": first.steps, "demonstrations": len(real_demos), "tokens": _tokens(first), "cpu_s": cpu,
                   "wall_s": wall, "epochs": t.first_pass_epochs, "loss": first.metrics.get("loss")}
     ckpt = first.model_entity
 
@@ -281,15 +287,23 @@ def run_learning(
         probe_info = _probe_and_synthesize(cfg, tracker, first.model_version, train_real, synthesize, say)
         env = load_env(store, artifacts, cfg.cycle.train_env)
 
-    # 3. arms from the first-pass checkpoint, one budget each
+    # 3. the first-pass model's own samples: sampled failures for RPO's pairs, groups for GRPO
+    roll = None
+    if "rpo" in arms_wanted or "grpo" in arms_wanted:
+        from flywheel.rollouts import run_rollouts
+
+        say("learn", {"status": "running", "phase": "rollouts of the first-pass model"})
+        roll = run_rollouts(cfg, store, artifacts, tracker, policy=ckpt, correlation_id=correlation_id)
+
+    # 4. arms from the first-pass checkpoint, one budget each
     results: list[ArmResult] = []
     for name in arms_wanted:
         say("learn", {"status": "running", "phase": f"arm {name}"})
         arm = _train_arm(name, cfg, store, artifacts, tracker, ckpt, train_real, regression, env, dev, say,
-                         correlation_id=correlation_id)
+                         roll=roll, correlation_id=correlation_id)
         results.append(arm)
 
-    # 4. dev scores and the choice
+    # 5. dev scores and the choice
     for arm in results:
         if arm.skipped is None and arm.model_version is not None and dev_tasks:
             say("learn", {"status": "running", "phase": f"dev {arm.name}", "items": len(dev_tasks)})
@@ -303,7 +317,7 @@ def run_learning(
     winner = next(a for a in results if a.name == chosen)
     final_version, final_entity = winner.model_version, winner.model_entity
 
-    # 5. fold the dev items' corrections into the shipped model
+    # 6. fold the dev items' corrections into the shipped model
     fold: dict[str, Any] | None = None
     dev_demos = _demos(dev_tasks)
     if t.dev_fold_in and dev_demos and final_entity:
@@ -320,6 +334,7 @@ def run_learning(
 
     result = LearnResult(learn_id=learn_id, model_version=final_version, model_entity=final_entity, chosen=chosen,
                          why=why, arms=results, first_pass=first_info, dev=dev_info, probe=probe_info, fold_in=fold)
+    result.wall_s, result.cpu_s = whole.done()
     _record(cfg, store, tracker, result, correlation_id=correlation_id)
     say("learn", {"status": "done", "chosen": chosen, "model": final_entity})
     return result
@@ -353,7 +368,7 @@ def _probe_and_synthesize(cfg: FlywheelConfig, tracker: Tracker, version: int, t
 
 def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker,
                ckpt: str, train_real: list[dict], regression: list[dict], env: Any, dev: set[str], say: Progress,
-               *, correlation_id: str | None) -> ArmResult:
+               *, roll: Any = None, correlation_id: str | None) -> ArmResult:
     from flywheel.train.stage import train_sft
 
     t = cfg.train
@@ -381,11 +396,19 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
                             budget_cpu_s=budget)
             arm.detail.update(demonstrations=len(demos), synthetic=len(synth))
     elif name == "rpo":
-        from flywheel.train.preference import pairs_from_tasks, publish_pairs, train_rpo
+        from flywheel.train.preference import pairs_from_samples, pairs_from_tasks, publish_pairs, train_rpo
 
-        pairs = pairs_from_tasks(train_real, store=store)
+        why_not: Counter[str] = Counter()
+        pairs = pairs_from_tasks(train_real, store=store, skipped=why_not)
+        production = len(pairs)
+        sampled = _sampled_pairs(store, artifacts, roll, train_real, why_not, pairs_from_samples)
+        pairs += sampled
+        arm.detail.update(production_pairs=production, sampled_pairs=len(sampled))
+        if why_not:
+            arm.detail["pairs_skipped"] = dict(why_not)
         if not pairs:
-            arm.skipped = "no preference pair: no train-side failure kept a rejected answer different from its correction"
+            arm.skipped = ("no preference pair: no train-side failure kept a rejected answer different from its "
+                           f"correction ({dict(why_not)})")
         else:
             pid = publish_pairs(cfg, store, artifacts, pairs, correlation_id=correlation_id)
             res = train_rpo(cfg, store, artifacts, tracker, pairs, base=ckpt, steps=t.arm_steps, lr=t.rpo_lr or t.sft_lr,
@@ -393,26 +416,48 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
                             budget_cpu_s=budget)
             arm.detail.update(pairs=len(pairs), preferences=pid)
     elif name == "grpo":
-        res = _grpo_arm(cfg, store, artifacts, tracker, ckpt, dev, arm, on_step, correlation_id=correlation_id)
+        res = _grpo_arm(cfg, store, artifacts, tracker, ckpt, dev, arm, on_step, roll)
     else:  # pragma: no cover - config validation admits only ARMS
         raise ValueError(f"unknown arm {name!r}")
     arm.wall_s, arm.cpu_s = clock.done()
     if res is not None:
         arm.model_version, arm.model_entity, arm.run_id = res.model_version, res.model_entity, res.run_id
+        arm.mlflow_run_id = res.mlflow_run_id
         arm.steps, arm.tokens = res.steps, _tokens(res)
     else:
         say("learn", {"status": "skipped", "phase": f"arm {name}", "why": arm.skipped})
     return arm
 
 
+def _sampled_pairs(store: EventStore, artifacts: ArtifactStore, roll: Any, train_real: list[dict],
+                   why_not: Counter[str], pairs_from_samples: Callable[..., list]) -> list:
+    """Pairs of the first-pass model's verified failures (its rollouts) against the corrections: in a first
+    cycle the production answers are the base model's, often prose; its own sampled failures are the
+    mistakes it still makes. Dev tasks are never in ``train_real``."""
+    if roll is None or not getattr(roll, "published", False):
+        return []
+    from flywheel.train.data import load_rollout_tables
+    from flywheel.train.preference import scored_samples
+
+    tables = load_rollout_tables(store, artifacts, [roll.rollout_id])
+    by_task: dict[str, list] = {}
+    for _, table, _ in tables:
+        for k, v in scored_samples(table).items():
+            by_task.setdefault(k, []).extend(v)
+    ids = {t["task_id"] for t in train_real}
+    return pairs_from_samples([t for t in train_real if t["task_id"] in by_task and t["task_id"] in ids],
+                              by_task, skipped=why_not)
+
+
 def _grpo_arm(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker, ckpt: str,
-              dev: set[str], arm: ArmResult, on_step: Callable[[int, dict], None], *, correlation_id: str | None) -> Any:
-    """Rollouts of the first-pass model; GRPO on them only when enough groups carry signal."""
-    from flywheel.rollouts import run_rollouts
+              dev: set[str], arm: ArmResult, on_step: Callable[[int, dict], None], roll: Any) -> Any:
+    """GRPO on the first-pass model's rollouts, only when enough groups carry signal."""
     from flywheel.train.stage import train_grpo
 
     t = cfg.train
-    roll = run_rollouts(cfg, store, artifacts, tracker, policy=ckpt, correlation_id=correlation_id)
+    if roll is None:
+        arm.skipped = "no rollouts of the first-pass model"
+        return None
     st = dict(roll.stats or {})
     groups = int(st.get("groups") or 0)
     signal = int(round(groups * (1.0 - float(st.get("zero_variance_share", 1.0)))))
@@ -453,5 +498,5 @@ def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnRe
     store.append(r.learn_id, NewEvent("learning.decided", {
         "entity_id": r.learn_id, "model": r.model_entity, "model_name": name, "model_version": version,
         "chosen": r.chosen, "why": r.why, "arms": arms, "first_pass": r.first_pass, "dev": r.dev, "probe": r.probe,
-        "fold_in": r.fold_in,
+        "fold_in": r.fold_in, "cpu_s": r.cpu_s, "wall_s": r.wall_s,
     }, causation), correlation_id=correlation_id)

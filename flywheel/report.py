@@ -240,6 +240,21 @@ def training_curves(tracker: Tracker, runs: list[dict[str, Any]]) -> dict[str, l
     return out
 
 
+def learning_table(learn: dict[str, Any]) -> str:
+    """The learning stage's arms (``train.mode = arms``): budget, dev score, and which one shipped."""
+    fp = learn.get("first_pass") or {}
+    rows = [f'<tr><td>first pass</td><td>{esc(fp.get("steps"))}</td><td>{esc(fp.get("tokens"))}</td>'
+            f'<td>{esc(fp.get("cpu_s"))}</td><td>--</td><td>{esc(fp.get("demonstrations"))} real corrections</td></tr>']
+    for a in learn.get("arms") or []:
+        dev = f'{a.get("dev_passed")}/{a.get("dev_items")}' if a.get("dev_passed") is not None else "--"
+        mark = '<span class="pass">shipped</span>' if a.get("name") == learn.get("chosen") else esc(a.get("skipped") or "")
+        rows.append(f'<tr><td>{esc(a.get("name"))}</td><td>{esc(a.get("steps"))}</td><td>{esc(a.get("tokens"))}</td>'
+                    f'<td>{esc(a.get("cpu_s"))}</td><td>{esc(dev)}</td><td>{mark}</td></tr>')
+    return (f'<p>Learning stage: <b>{esc(learn.get("chosen"))}</b> shipped ({esc(learn.get("why"))}).</p>'
+            '<table id="arms"><tr><th>phase / arm</th><th>steps</th><th>tokens</th><th>CPU-s</th><th>dev passed</th>'
+            f'<th></th></tr>{"".join(rows)}</table>')
+
+
 def slice_rows(numbers: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     n = numbers.get("paired_items") or 0
@@ -285,12 +300,18 @@ def build_report(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, *, cy
     stages = payload.get("stages") or {}
     gate = stages.get("gate") or {}
     numbers = gate.get("numbers") or {}
-    model = None
+    model = (stages.get("learn") or {}).get("model_entity")
     for key in ("grpo", "sft"):
+        if model:
+            break
         if isinstance(stages.get(key), dict) and stages[key].get("model_entity"):
             model = stages[key]["model_entity"]
             break
     runs = [stages[k] for k in ("sft", "grpo") if isinstance(stages.get(k), dict) and stages[k].get("mlflow_run_id")]
+    learn = stages.get("learn") if isinstance(stages.get("learn"), dict) else None
+    if learn:
+        runs += [{**(learn.get("first_pass") or {}), "mode": "first pass"}]
+        runs += [{**a, "mode": f"arm {a.get('name')}"} for a in learn.get("arms") or [] if a.get("mlflow_run_id")]
 
     days, kinds = failure_kinds_over_time(store)
     curves = training_curves(tracker, runs)
@@ -357,7 +378,7 @@ def build_report(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, *, cy
 <h1>flywheel cycle report</h1><p class="muted"><code>{esc(cid)}</code> · model <code>{esc(model or "none")}</code></p>
 <section id="summary"><h2>Summary</h2><table>{"".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in summary_rows)}</table></section>
 <section id="failure-kinds"><h2>Failure kinds over time</h2>{svg_stacked_bars(days, kinds, title="failure kinds per day") if days else '<p class="empty">no failures ingested</p>'}</section>
-<section id="training"><h2>Training</h2>{svg_lines(curves, title="training curves")}</section>
+<section id="training"><h2>Training</h2>{learning_table(learn) if learn else ""}{svg_lines(curves, title="training curves")}</section>
 <section id="pass-rates"><h2>Champion vs challenger (held-out)</h2>{ci}{svg_pass_rates(srows, title="pass rates per slice") if srows else '<p class="empty">no gate evaluation in this cycle</p>'}</section>
 <section id="gate"><h2>Gate decision: <span class="{gate_class}">{esc(gate_outcome)}</span></h2>
 <table><tr><th>rule</th><th>result</th><th>value</th><th>threshold</th><th>reason</th></tr>{rules_html}</table></section>

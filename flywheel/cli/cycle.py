@@ -135,6 +135,11 @@ def print_cycle_summary(result: dict) -> None:
                               f"zero-variance groups {s.get('zero_variance_share', 0):.0%}"))
     if "train_mode" in st:
         rows.append(("train mode", f"{st['train_mode']['mode']} ({st['train_mode']['why']})"))
+    if "learn" in st:
+        ln = st["learn"]
+        arms = ", ".join(f"{a['name']} " + (f"{a['dev_passed']}/{a['dev_items']}" if a.get("dev_passed") is not None
+                                             else "skipped") for a in ln.get("arms") or [])
+        rows.append(("learn", f"{ln.get('chosen')} shipped as {ln.get('model_entity')} (dev: {arms}); {ln.get('why')}"))
     for key in ("sft", "grpo"):
         if key in st:
             s = st[key]
