@@ -102,6 +102,16 @@ class InvalidEventError(StoreError, ValueError):
     """An event that cannot be recorded (its payload is not valid JSON); nothing was appended."""
 
 
+class EntityIdCollisionError(StoreError):
+    """An append to one stream (:meth:`EventStore.append`) mentions an entity id whose 64-bit node id
+    another name holds (:func:`node_id`); nothing was appended. ``name`` is the refused name,
+    ``other`` the one that holds its node id."""
+
+    def __init__(self, message: str, name: str, other: str):
+        super().__init__(message)
+        self.name, self.other = name, other
+
+
 @dataclass(frozen=True)
 class NewEvent:
     """An event to append. ``causation`` lists the entity ids it was caused by."""
@@ -139,6 +149,10 @@ class AppendResult:
     first_seq: int | None = None
     last_seq: int | None = None
     event_ids: list[str] = field(default_factory=list)
+    # Rows of the batch that were not appended because an entity id they mention collides with another
+    # name's node id (see EventStore.append_batch); each a dict: row (position in the batch), stream,
+    # type, event_id, entity (the refused name), collides_with, node, reason.
+    rejected: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def is_noop(self) -> bool:
@@ -146,7 +160,8 @@ class AppendResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"appended": self.appended, "already_recorded": self.already_recorded, "first_seq": self.first_seq,
-                "last_seq": self.last_seq, "event_ids": list(self.event_ids)}
+                "last_seq": self.last_seq, "event_ids": list(self.event_ids),
+                "rejected": [dict(r) for r in self.rejected]}
 
 
 def canonical_json(payload: Any) -> str:
@@ -403,6 +418,14 @@ def plan_append(
     return AppendPlan(fresh, versions)
 
 
+def expected_of(expected_versions: dict[str, int] | None, streams: set[str]) -> dict[str, int] | None:
+    """The expected versions of these streams only: what is left to check once an append refused the
+    other streams' rows (a refused stream's expectation is moot: nothing is appended to it)."""
+    if expected_versions is None:
+        return None
+    return {k: v for k, v in expected_versions.items() if k in streams}
+
+
 # Batches up to this many rows take the one-statement path of DuckDBEventStore._append_small.
 SMALL_APPEND = 64
 
@@ -588,12 +611,19 @@ class EventStore:
         if not events:
             return AppendResult()
         expected = {stream: expected_version} if expected_version is not None else None
+        res = None
         if len(events) <= SMALL_APPEND:
             res = self._append_small_events(stream, events, correlation_id, expected)
-            if res is not None:
-                return res
-        return self.append_batch(events_table(stream, events), correlation_id=correlation_id,
-                                 expected_versions=expected, validated=True)
+        if res is None:
+            res = self.append_batch(events_table(stream, events), correlation_id=correlation_id,
+                                    expected_versions=expected, validated=True)
+        if res.rejected:
+            # One stream: its events build on one another, so a refused event refuses all of them
+            # (the append refuses a stream's later events with it, and appends nothing then).
+            first = res.rejected[0]
+            raise EntityIdCollisionError(
+                f"append to {stream!r}: {first['reason']} (nothing was appended)", first["entity"], first["collides_with"])
+        return res
 
     def _append_small_events(self, stream: str, events: list[NewEvent], correlation_id: str | None,
                              expected_versions: dict[str, int] | None) -> AppendResult | None:
@@ -611,22 +641,88 @@ class EventStore:
         raise NotImplementedError
 
     @staticmethod
-    def _check_node_ids(names: pa.Table, known: list[tuple[int, str]]) -> None:
-        """Refuse an append that would give two names one node id (a 64-bit MD5 prefix collision)."""
+    def _check_node_ids(names: pa.Table, known: list[tuple[int, str]]) -> dict[str, tuple[str, int]]:
+        """The names of an append that would share a node id with another name (a 64-bit MD5 prefix
+        collision), each mapped to (the name that keeps the node id, the node id); empty when none.
+
+        ``names``: the append's distinct names (columns ``name``, ``node`` as UBIGINT, and optionally
+        ``row``, the first row of the batch that mentions the name); ``known``: (node, name) of the
+        store's names with those node ids. A name the store holds keeps its node id; of new names that
+        share one, the one mentioned first in the batch keeps it (without ``row``: the first in
+        ``names``)."""
         ids = names.column("node")
-        clash = None
+        out: dict[str, tuple[str, int]] = {}
+        if known:
+            kt = pa.table({"node": pa.array([int(n) for n, _ in known], pa.uint64()),
+                           "old": pa.array([x for _, x in known], pa.string())})
+            j = names.select(["name", "node"]).join(kt, "node")
+            j = j.filter(pc.not_equal(j.column("name"), j.column("old")))
+            for name, node, old in zip(*(j.column(c).to_pylist() for c in ("name", "node", "old")), strict=True):
+                out[name] = (old, node)
         if pc.count_distinct(ids).as_py() != names.num_rows:
             counts = pc.value_counts(ids)
-            dup = next(v["values"] for v in counts.to_pylist() if v["counts"] > 1)
-            clash = sorted(n for n, i in zip(names.column("name").to_pylist(), ids.to_pylist(), strict=True) if i == dup)
-        elif known:
-            batch = dict(zip(ids.to_pylist(), names.column("name").to_pylist(), strict=True))
-            clash = next(([old, batch[node]] for node, old in known if batch[node] != old), None)
-        if clash:
-            raise StoreError(
-                f"entity ids collide: {clash[0]!r} and {clash[1]!r} share the node id {node_id(clash[0])}; "
-                "rename one of these entities (nothing was appended)"
-            )
+            dups = set(pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1)).to_pylist())
+            order = names.column("row").to_pylist() if "row" in names.column_names else range(names.num_rows)
+            first: dict[int, tuple[Any, str]] = {}
+            for name, node, at in zip(names.column("name").to_pylist(), ids.to_pylist(), order, strict=True):
+                if node in dups and name not in out and (node not in first or at < first[node][0]):
+                    first[node] = (at, name)
+            for name, node in zip(names.column("name").to_pylist(), ids.to_pylist(), strict=True):
+                if node in first and name != first[node][1] and name not in out:
+                    out[name] = (first[node][1], node)
+        return out
+
+    def colliding_names(self, names: Sequence[str] | pa.Array | pa.ChunkedArray) -> dict[str, str]:
+        """Of these entity ids, those an append would refuse because another name holds their 64-bit
+        node id (:func:`node_id`; the store's name, or an earlier one of ``names``), each mapped to
+        that other name. What a stage asks before it builds events on the names (ingest quarantines
+        such a trace instead of sending it)."""
+        values = names.to_pylist() if isinstance(names, pa.Array | pa.ChunkedArray) else list(names)
+        values = list(dict.fromkeys(values))
+        if not values:
+            return {}
+        nodes = [node_id(n) for n in values]
+        held = [(int(n) % (1 << 64), x) for n, x in self._names_holding(nodes)]
+        table = pa.table({"name": pa.array(values, pa.string()), "node": pa.array(nodes, pa.uint64())})
+        return {k: v[0] for k, v in EventStore._check_node_ids(table, held).items()}
+
+    def _names_holding(self, nodes: list[int]) -> list[tuple[int, str]]:  # pragma: no cover - every backend overrides
+        """(node, name) of the store's names that hold any of these node ids."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _collision_message(name: str, other: str, node: int) -> str:
+        return (f"entity ids collide: {name!r} and {other!r} share the node id {node} (64 bits of MD5); "
+                f"{other!r} keeps it, so events that mention {name!r} are refused: rename one of these entities")
+
+    @staticmethod
+    def _rejected_rows(streams: Sequence[str], types: Sequence[str], event_ids: Sequence[str],
+                       entities: Sequence[str], causations: Sequence[Sequence[str | None] | None],
+                       clashes: dict[str, tuple[str, int]], rows: Sequence[int] | None = None) -> dict[int, dict[str, Any]]:
+        """The rows of a batch that an append refuses over ``clashes`` (:meth:`_check_node_ids`): every
+        row that mentions a refused name (as its entity or in its causation), and every other row of
+        the same stream in the batch (a stream's events build on one another, so a stream goes in
+        whole or not at all). Keyed by position in these lists; ``rows`` gives each position's row
+        number in the caller's batch."""
+        out: dict[int, dict[str, Any]] = {}
+        stopped: dict[str, dict[str, Any]] = {}
+        for k, ent in enumerate(entities):
+            hit = ent if ent in clashes else next((c for c in causations[k] or () if c in clashes), None)
+            if hit is not None:
+                other, node = clashes[hit]
+                out[k] = {"row": int(rows[k]) if rows is not None else k, "stream": streams[k], "type": types[k],
+                          "event_id": event_ids[k], "entity": hit, "collides_with": other, "node": int(node),
+                          "reason": EventStore._collision_message(hit, other, int(node))}
+                stopped.setdefault(streams[k], out[k])
+        if stopped:
+            for k, stream in enumerate(streams):
+                if k not in out and stream in stopped:
+                    first = stopped[stream]
+                    out[k] = {"row": int(rows[k]) if rows is not None else k, "stream": stream, "type": types[k],
+                              "event_id": event_ids[k], "entity": first["entity"],
+                              "collides_with": first["collides_with"], "node": first["node"],
+                              "reason": f"another event of stream {stream!r} in this batch was refused: {first['reason']}"}
+        return dict(sorted(out.items()))
 
     @staticmethod
     def _event_from_row(r: Sequence[Any]) -> Event:
@@ -1012,8 +1108,8 @@ class DuckDBEventStore(EventStore):
                 if res.last_seq is not None:
                     self._index.head = res.last_seq  # the index catches up from the events when next used
                 return res
-            except duckdb.ConversionException as e:
-                if "JSON" in str(e):
+            except (duckdb.ConversionException, duckdb.InvalidInputException) as e:
+                if "JSON" in str(e):  # the entity ids are read before the insert: as InvalidInput there
                     raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
                 raise
             finally:
@@ -1028,6 +1124,34 @@ class DuckDBEventStore(EventStore):
         costs ~10 queries whatever the batch size."""
         idx = self._index
         base = idx.sync(con)
+        # Names first, in the order the batch mentions them: a name whose node id another name holds
+        # (a 64-bit collision) refuses the rows that mention it, before anything is planned.
+        names: dict[str, int] = {}
+        for r in rows:
+            names.setdefault(r.entity, r.node)
+            for c, p in zip(r.causation, r.parents, strict=True):
+                if c is not None:
+                    names.setdefault(c, p)
+        add: dict[str, int] = {}
+        held: list[tuple[int, str]] = []
+        for name, node in names.items():
+            state = idx.name_state(name, node)
+            if state == "new":
+                add[name] = node
+            elif state == "clash":
+                held += con.execute("SELECT node, name FROM entity_names WHERE node = ?", [node]).fetchall()
+        rejected: dict[int, dict[str, Any]] = {}
+        if held or len(set(names.values())) != len(names):
+            clashes = EventStore._check_node_ids(
+                pa.table({"name": list(names), "node": pa.array(list(names.values()), pa.uint64())}), held)
+            if clashes:
+                rejected = EventStore._rejected_rows([r.stream for r in rows], [r.type for r in rows],
+                                                     [r.event_id for r in rows], [r.entity for r in rows],
+                                                     [r.causation for r in rows], clashes)
+                rows = [r for k, r in enumerate(rows) if k not in rejected]
+                mentioned = {n for r in rows for n in (r.entity, *r.causation)}
+                add = {n: v for n, v in add.items() if n in mentioned}
+                expected_versions = expected_of(expected_versions, {r.stream for r in rows})
         known = {}
         for st in {r.stream for r in rows}:
             v = idx.stream_version(st)
@@ -1035,22 +1159,9 @@ class DuckDBEventStore(EventStore):
                 known[st] = (v, set(idx.recorded([r.event_id for r in rows if r.stream == st])))
         keep, versions = plan_small(rows, known, expected_versions)
         n_new = len(versions)
-        result = AppendResult(appended=n_new, already_recorded=len(rows) - n_new)
+        result = AppendResult(appended=n_new, already_recorded=len(rows) - n_new, rejected=list(rejected.values()))
         if n_new == 0:
             return result
-        names = {r.entity: r.node for r in rows}
-        for r in rows:
-            names.update((c, p) for c, p in zip(r.causation, r.parents, strict=True) if c is not None)
-        add: dict[str, int] = {}
-        for name, node in names.items():
-            state = idx.name_state(name, node)
-            if state == "new":
-                add[name] = node
-            elif state == "clash":
-                old = con.execute("SELECT node, name FROM entity_names WHERE node = ?", [node]).fetchall()
-                EventStore._check_node_ids(pa.table({"name": [name], "node": pa.array([node], pa.uint64())}), old)
-        if len(set(names.values())) != len(names):
-            EventStore._check_node_ids(pa.table({"name": list(names), "node": pa.array(list(names.values()), pa.uint64())}), [])
         fresh = [r for r, k in zip(rows, keep, strict=True) if k]
         stmts = ["BEGIN TRANSACTION"]
         corr = _lit(correlation_id)
@@ -1111,21 +1222,68 @@ class DuckDBEventStore(EventStore):
     ) -> AppendResult:
         """Plan the append in Arrow (which rows are fresh, their seq and stream versions), then insert.
 
-        Three queries whatever the batch: the event ids (sha256 in DuckDB), the batch's streams that
-        exist already with their versions and the batch's events they hold, and the INSERT. The rest
-        is vectorised Arrow/numpy (:func:`plan_append`); the SQL windows and anti-joins this replaces
-        cost ~0.2 s per 50k.
+        Five queries whatever the batch: the event ids, entity ids and node ids (sha256 and md5 in
+        DuckDB), the batch's names with the store's names that hold their node ids, the batch's
+        streams that exist already with their versions and the batch's events they hold, and the
+        INSERT. The rest is vectorised Arrow/numpy (:func:`plan_append`); the SQL windows and
+        anti-joins this replaces cost ~0.2 s per 50k.
+
+        A name whose node id another name holds (a 64-bit MD5 prefix collision; the store's name, or
+        the batch's first, keeps it) refuses every row that mentions it, and the other rows of those
+        rows' streams, before anything is planned: they are reported in ``AppendResult.rejected``
+        and the rest of the batch is appended (:meth:`EventStore._rejected_rows`).
         """
-        n_rows = batch.num_rows
         base = con.execute("SELECT coalesce(max(seq), 0) FROM events").fetchall()[0][0]
         # No ORDER BY (a sort of the batch): DuckDB keeps the scan's order (preserve_insertion_order),
-        # and the check below sorts only if it ever did not.
-        ids = con.sql(f"SELECT {event_id_sql()} AS event_id, _i FROM _batch_in").to_arrow_table()
+        # and the check below sorts only if it ever did not. The entity and node ids are computed here,
+        # once: the collision check needs them before the insert, and the projections reuse them.
+        ids = con.sql(
+            f"SELECT event_id, _i, entity, {_NODE_SQL.format('entity')} AS node FROM "
+            f"(SELECT {event_id_sql()} AS event_id, _i, {_ENTITY_SQL} AS entity FROM _batch_in)").to_arrow_table()
         if pc.any(pc.not_equal(ids.column("_i"), batch.column("_i"))).as_py():
             ids = ids.sort_by("_i")
-        event_ids = ids.column("event_id")
         con.register("_batch_ids", ids)
         try:
+            # Every name of the batch (entities and causation) with its node id and first row, and the
+            # store's names that hold those node ids (for the collision check, and so that only new
+            # names are recorded).
+            names = con.sql(
+                f"""
+                WITH c AS (SELECT name, min(i) AS row FROM (SELECT unnest(causation) AS name, _i AS i FROM _batch_in)
+                           WHERE name IS NOT NULL GROUP BY name)
+                SELECT name, any_value(node) AS node, min(row) AS row FROM (
+                    SELECT entity AS name, node, _i AS row FROM _batch_ids
+                    UNION ALL SELECT name, {_NODE_SQL.format("name")}, row FROM c)
+                GROUP BY name
+                """
+            ).to_arrow_table()
+            con.register("_names", names)
+            try:
+                held = con.execute("SELECT n.node, n.name FROM entity_names n SEMI JOIN _names b ON n.node = b.node").fetchall()
+            finally:
+                _unregister(con, "_names")
+            # A stored name that is not among the batch's names holds one of their node ids: a collision.
+            held_names = pa.array([x for _, x in held], pa.string())
+            clashes = EventStore._check_node_ids(names, held) if (
+                held and not pc.all(pc.is_in(held_names, value_set=names.column("name"))).as_py()
+            ) or pc.count_distinct(names.column("node")).as_py() != names.num_rows else {}
+            rejected: dict[int, dict[str, Any]] = {}
+            if clashes:
+                rejected = EventStore._rejected_rows(
+                    *(batch.column(c).to_pylist() for c in ("stream", "type")), ids.column("event_id").to_pylist(),
+                    ids.column("entity").to_pylist(), batch.column("causation").to_pylist(), clashes)
+                keep = np.ones(batch.num_rows, dtype=bool)
+                keep[list(rejected)] = False
+                batch, ids = batch.filter(pa.array(keep)), ids.filter(pa.array(keep))
+                for name, t in (("_batch_in", batch), ("_batch_ids", ids)):
+                    _unregister(con, name)
+                    con.register(name, t)
+                names = names.filter(pc.invert(pc.is_in(names.column("name"), value_set=pa.array(list(clashes), pa.string()))))
+                if batch.num_rows:  # only the names the rows that remain mention
+                    mentioned = pa.concat_arrays([ids.column("entity").combine_chunks(),
+                                                  pc.list_flatten(batch.column("causation").combine_chunks())])
+                    names = names.filter(pc.is_in(names.column("name"), value_set=mentioned))
+                expected_versions = expected_of(expected_versions, set(batch.column("stream").to_pylist()))
             # Streams of the batch that exist already: their versions, and which of the batch's event
             # ids they hold (an event_id hashes its stream, so only these streams can hold one). One
             # scan of events.stream; in the bulk case (new traces) it returns nothing.
@@ -1136,20 +1294,27 @@ class DuckDBEventStore(EventStore):
                 FROM events e SEMI JOIN _batch_in b ON e.stream = b.stream
                 GROUP BY e.stream
                 """
-            ).to_arrow_table()
+            ).to_arrow_table() if batch.num_rows else None
         finally:
             _unregister(con, "_batch_ids")
-        held = pc.list_flatten(known.column("held")) if known.num_rows else None
-        plan = plan_append(batch.column("stream"), event_ids, known.column("stream"), known.column("version"), held,
+        n_rows = batch.num_rows
+        result = AppendResult(already_recorded=0, rejected=list(rejected.values()))
+        if n_rows == 0:
+            return result
+        event_ids = ids.column("event_id")
+        held_ids = pc.list_flatten(known.column("held")) if known.num_rows else None
+        plan = plan_append(batch.column("stream"), event_ids, known.column("stream"), known.column("version"), held_ids,
                            expected_versions)
         n_new = plan.n_new
-        result = AppendResult(appended=n_new, already_recorded=n_rows - n_new)
+        result.appended, result.already_recorded = n_new, n_rows - n_new
         if n_new == 0:
             return result
         mask = pa.array(plan.fresh)
         rows = batch.filter(mask) if n_new < n_rows else batch
-        new_ids = event_ids.filter(mask) if n_new < n_rows else event_ids
-        planned = rows.append_column("seq", pa.array(np.arange(base + 1, base + 1 + n_new, dtype=np.int64)))
+        fresh_ids = ids.filter(mask) if n_new < n_rows else ids
+        new_ids = fresh_ids.column("event_id")
+        seq = pa.array(np.arange(base + 1, base + 1 + n_new, dtype=np.int64))
+        planned = rows.append_column("seq", seq)
         planned = planned.append_column("event_id", new_ids).append_column("stream_version", pa.array(plan.versions))
         con.register("_batch_plan", planned)
         try:
@@ -1164,7 +1329,11 @@ class DuckDBEventStore(EventStore):
             ).fetchall()
         finally:
             _unregister(con, "_batch_plan")
-        self._project(con, base)
+        held_nodes = pa.array([n for n, _ in held], pa.uint64())
+        new_names = names.filter(pc.invert(pc.is_in(names.column("node"), value_set=held_nodes))) if held else names
+        new = pa.table({"seq": seq, "entity_id": fresh_ids.column("entity"), "node": fresh_ids.column("node"),
+                        "causation": pc.fill_null(rows.column("causation"), pa.scalar([], pa.list_(pa.string())))})
+        self._project(con, base, new, new_names.select(["node", "name"]))
         result.first_seq, result.last_seq = base + 1, base + n_new
         if n_new <= 10_000:
             result.event_ids = new_ids.to_pylist()
@@ -1174,20 +1343,32 @@ class DuckDBEventStore(EventStore):
     # rebuild (``after_seq=0`` over emptied tables), so the two cannot drift apart. Everything is keyed
     # by node id (:func:`node_id`, migration 003).
     @staticmethod
-    def _project(con: duckdb.DuckDBPyConnection, after_seq: int) -> None:
+    def _project(con: duckdb.DuckDBPyConnection, after_seq: int, new: pa.Table | None = None,
+                 new_names: pa.Table | None = None) -> None:
+        """Project the events after ``after_seq``. An append passes what it computed already: ``new``
+        (seq, entity_id, node, causation of its events) and ``new_names`` (node, name: its names the
+        store did not hold, checked for collisions); a rebuild reads the events."""
         after = int(after_seq)
-        # The new events' entity ids and node ids, computed once for all projections.
-        new = con.sql(
-            f"""
-            SELECT seq, entity_id, {_NODE_SQL.format("entity_id")} AS node, causation
-            FROM (SELECT seq, {_ENTITY_SQL} AS entity_id, causation FROM events WHERE seq > {after})
-            """
-        ).to_arrow_table()
+        if new is None:
+            # The new events' entity ids and node ids, computed once for all projections.
+            new = con.sql(
+                f"""
+                SELECT seq, entity_id, {_NODE_SQL.format("entity_id")} AS node, causation
+                FROM (SELECT seq, {_ENTITY_SQL} AS entity_id, causation FROM events WHERE seq > {after})
+                """
+            ).to_arrow_table()
         if new.num_rows == 0:
             return
         con.register("_new_events", new)
         try:
-            DuckDBEventStore._project_names(con)
+            if new_names is None:
+                DuckDBEventStore._project_names(con)
+            elif new_names.num_rows:
+                con.register("_names", new_names)
+                try:
+                    con.execute("INSERT INTO entity_names SELECT node, name FROM _names")
+                finally:
+                    con.unregister("_names")
             updated = DuckDBEventStore._project_entities(con, new)
             DuckDBEventStore._project_lineage(con, updated)
         finally:
@@ -1209,7 +1390,10 @@ class DuckDBEventStore(EventStore):
             known = con.execute(
                 "SELECT n.node, n.name FROM entity_names n SEMI JOIN _names b ON n.node = b.node"
             ).fetchall()
-            EventStore._check_node_ids(names, known)
+            clashes = EventStore._check_node_ids(names, known)
+            if clashes:  # the events were recorded: a rebuild cannot refuse some of them
+                name, (other, node) = next(iter(clashes.items()))
+                raise StoreError(EventStore._collision_message(name, other, node) + " (the projections were not rebuilt)")
             con.execute(
                 "INSERT INTO entity_names SELECT b.node, b.name FROM _names b ANTI JOIN entity_names n ON n.node = b.node"
             )
@@ -1389,10 +1573,12 @@ class DuckDBEventStore(EventStore):
             f"""
             SELECT ?::VARCHAR, split_part(?::VARCHAR, ':', 1), e.stream, e.type, i.first_seq, i.last_seq,
                    i.n_events, e.payload
-            FROM entity_index i JOIN events e ON e.seq = i.last_seq WHERE i.node = {_NODE_SQL.format("?::VARCHAR")}
+            FROM entity_index i JOIN events e ON e.seq = i.last_seq
+            JOIN entity_names n ON n.node = i.node AND n.name = ?::VARCHAR
+            WHERE i.node = {_NODE_SQL.format("?::VARCHAR")}
             """,
-            [entity_id, entity_id, entity_id],
-        )
+            [entity_id, entity_id, entity_id, entity_id],
+        )  # the name too: another name may hold this node id (a collision the append refused)
         if not row:
             return None
         keys = ["entity_id", "kind", "stream", "last_type", "first_seq", "last_seq", "n_events", "state"]
@@ -1461,6 +1647,10 @@ class DuckDBEventStore(EventStore):
                                f"WHERE i.node IN (SELECT {_NODE_SQL.format('k')} FROM _fw_keys)", one=False)
         wanted = set(entity_ids)
         return {name: (state, int(v)) for name, state, v in rows if name in wanted}
+
+    def _names_holding(self, nodes: list[int]) -> list[tuple[int, str]]:
+        return [tuple(r) for r in self._q(
+            "SELECT node, name FROM entity_names WHERE node IN (SELECT unnest(?::UBIGINT[]))", [nodes])]
 
     def _with_keys(self, keys: pa.Array | pa.ChunkedArray, sql: str, *, one: bool = True) -> list[Any]:
         if self._remote is not None:

@@ -50,6 +50,7 @@ import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from flywheel import store as _store
 from flywheel.events import CATALOG
 from flywheel.store import (
     EXPORT_TABLES,
@@ -102,15 +103,18 @@ _BATCH_COLUMNS = "i, event_id, stream, type, payload, causation, entity, node, p
 
 
 def _names_of(batch: pa.Table, cols: pa.Table) -> pa.Table:
-    """(node, name) of every entity and causation name of a batch, once, sorted by node."""
+    """(node, name, row) of every entity and causation name of a batch, once, sorted by node; ``row``:
+    the first row of the batch that mentions the name."""
     causation = batch.column("causation").combine_chunks()
     pnodes = cols.column("pnodes").combine_chunks()
+    rows = pa.array(np.arange(batch.num_rows, dtype=np.int64))
     t = pa.concat_tables([
-        pa.table({"node": cols.column("node"), "name": cols.column("entity")}),
-        pa.table({"node": pc.list_flatten(pnodes), "name": pc.list_flatten(causation)}),
+        pa.table({"node": cols.column("node"), "name": cols.column("entity"), "row": rows}),
+        pa.table({"node": pc.list_flatten(pnodes), "name": pc.list_flatten(causation),
+                  "row": pc.take(rows, pc.list_parent_indices(causation))}),
     ])
-    t = t.filter(pc.is_valid(t.column("name"))).group_by(["node", "name"]).aggregate([])
-    return t.sort_by("node")
+    t = t.filter(pc.is_valid(t.column("name"))).group_by(["node", "name"]).aggregate([("row", "min")])
+    return t.select(["node", "name", "row_min"]).rename_columns(["node", "name", "row"]).sort_by("node")
 
 
 def _edges_of(rows: pa.Table, cols: pa.Table, seq: pa.Array) -> pa.Table:
@@ -395,32 +399,54 @@ class PostgresEventStore(EventStore):
         as the batch path."""
         cur = self.con.cursor()
         cur.execute("SELECT pg_advisory_xact_lock(%s, %s)", _APPEND_LOCK)
-        streams = sorted({r.stream for r in rows})
+        names: dict[str, int] = {}  # in the order the batch mentions them
+        for r in rows:
+            names.setdefault(r.entity, r.node)
+            for c, p in zip(r.causation, r.parents, strict=True):
+                if c is not None:
+                    names.setdefault(c, p)
+        # One lookup: the last seq (kind 0), the batch's streams that exist with their versions and the
+        # batch's event ids they hold (kind 1), and the store's names that hold the batch's node ids
+        # (kind 2: for the collision check).
         found = cur.execute(
             """
-            SELECT NULL::text, coalesce(max(seq), 0), NULL::text[] FROM events
+            SELECT 0, NULL::text, coalesce(max(seq), 0), NULL::text[] FROM events
             UNION ALL
-            SELECT s, (SELECT max(stream_version) FROM events e WHERE e.stream = s),
+            SELECT 1, s, (SELECT max(stream_version) FROM events e WHERE e.stream = s),
                    ARRAY(SELECT e.event_id FROM events e WHERE e.stream = s AND e.event_id = ANY(%(ids)s))
             FROM unnest(%(streams)s::text[]) AS s
+            UNION ALL
+            SELECT 2, n.name, n.node, NULL FROM entity_names n WHERE n.node = ANY(%(nodes)s::bigint[])
             """,
-            {"ids": [r.event_id for r in rows], "streams": streams},
+            {"ids": [r.event_id for r in rows], "streams": sorted({r.stream for r in rows}),
+             "nodes": [_signed(n) for n in names.values()]},
         ).fetchall()
-        base = found[0][1]
-        known = [(st, v, ids) for st, v, ids in found[1:] if v is not None]
+        base = found[0][2]
+        # A stored name that is not among the batch's names holds one of their node ids: a collision.
+        held = [(n % (1 << 64), x) for kind, x, n, _ in found if kind == 2]
+        rejected: dict[int, dict[str, Any]] = {}
+        if any(x not in names for _, x in held) or len(set(names.values())) != len(names):
+            clashes = EventStore._check_node_ids(
+                pa.table({"name": list(names), "node": pa.array(list(names.values()), pa.uint64())}), held)
+            if clashes:
+                rejected = EventStore._rejected_rows([r.stream for r in rows], [r.type for r in rows],
+                                                     [r.event_id for r in rows], [r.entity for r in rows],
+                                                     [r.causation for r in rows], clashes)
+                rows = [r for k, r in enumerate(rows) if k not in rejected]
+                if not rows:
+                    return AppendResult(rejected=list(rejected.values()))
+                mentioned = {n for r in rows for n in (r.entity, *r.causation)}
+                names = {n: v for n, v in names.items() if n in mentioned}
+                expected_versions = _store.expected_of(expected_versions, {r.stream for r in rows})
+        known = [(st, v, ids) for kind, st, v, ids in found if kind == 1 and v is not None]
         plan = plan_append(pa.array([r.stream for r in rows], pa.string()), pa.array([r.event_id for r in rows], pa.string()),
                            pa.array([k[0] for k in known], pa.string()), pa.array([k[1] for k in known], pa.int64()),
                            pa.array([i for k in known for i in k[2]], pa.string()), expected_versions)
         n_new = plan.n_new
-        result = AppendResult(appended=n_new, already_recorded=len(rows) - n_new)
+        result = AppendResult(appended=n_new, already_recorded=len(rows) - n_new, rejected=list(rejected.values()))
         if n_new == 0:
             return result
         fresh = [r for r, keep in zip(rows, plan.fresh, strict=True) if keep]
-        names: dict[str, int] = {}
-        for r in rows:
-            names[r.entity] = r.node
-            names.update((c, p) for c, p in zip(r.causation, r.parents, strict=True) if c is not None)
-        EventStore._check_node_ids(pa.table({"name": list(names), "node": pa.array(list(names.values()), pa.uint64())}), [])
         ev = {"seq": [], "id": [], "stream": [], "version": [], "type": [], "payload": [], "causation": [], "sv": []}
         entities: dict[int, list[int]] = {}
         links: dict[tuple[int, int], int] = {}
@@ -481,14 +507,14 @@ class PostgresEventStore(EventStore):
 
     def _prepare(self, batch: pa.Table) -> pa.Table:
         """Event ids, entity ids, node ids (signed) and the causation's node ids, computed in DuckDB."""
+        node = _store._NODE_SQL  # read at call time: one definition of the node id for both backends
         self._calc.register("_b", batch)
         try:
             out = self._calc.sql(
                 f"""
-                SELECT i, event_id, entity, (md5_number(entity) >> 64)::UBIGINT AS node, pnodes FROM (
-                    SELECT _i AS i, {event_id_sql()} AS event_id,
-                           coalesce(json_extract_string(payload, '$.entity_id'), stream) AS entity,
-                           list_transform(causation, lambda x: (md5_number(x) >> 64)::UBIGINT) AS pnodes
+                SELECT i, event_id, entity, {node.format("entity")} AS node, pnodes FROM (
+                    SELECT _i AS i, {event_id_sql()} AS event_id, {_store._ENTITY_SQL} AS entity,
+                           list_transform(causation, lambda x: {node.format("x")}) AS pnodes
                     FROM _b)
                 ORDER BY i
                 """
@@ -548,29 +574,40 @@ class PostgresEventStore(EventStore):
         """One try of a batch append (see the module docstring). Raises UniqueViolation when another
         writer created one of the batch's streams, entities or names meanwhile: the caller retries."""
         cur = self.con.cursor()
-        n_rows = batch.num_rows
-        streams = batch.column("stream")
-        ids = cols.column("event_id")
         names = _names_of(batch, cols)
-        unsigned = pc.cast(names.column("node"), pa.uint64(), safe=False)
-        EventStore._check_node_ids(pa.table({"name": names.column("name"), "node": unsigned}), [])
-        # Phase 1, no lock: stage the batch's streams and names, look them up, record its new names.
+        # Phase 1, no lock: stage the batch's names, look them up (for the collision check and to copy
+        # only new ones, and which of them are recorded entities: an entity is a name). One index probe
+        # per staged name (OFFSET 0 keeps the subquery a nested loop): without statistics on the staging
+        # table the planner hashed all of entity_names instead (100k names against a 500k-name store:
+        # 477 ms; probes ~400 ms, and they do not grow with the store).
         watermark = cur.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
-        self._copy(cur, "_fw_streams", "s", [_pg_text(pc.unique(streams))])
         self._copy(cur, "_fw_names", "node, name", [pc.cast(names.column("node"), pa.string()), _pg_text(names.column("name"))])
-        known_s, known_v, held = self._lookup(cur)
-        if len(known_s):  # the streams that exist: those another writer may append to before the lock
-            self._copy(cur, "_fw_known", "s", [_pg_text(known_s)])
-        # Names the store has (for the collision check and to copy only new ones), and which of them
-        # are recorded entities (an entity is a name). One index probe per staged name (OFFSET 0 keeps
-        # the subquery a nested loop): without statistics on the staging table the planner hashed all
-        # of entity_names instead (100k names against a 500k-name store: 477 ms; probes ~400 ms, and
-        # they do not grow with the store).
         have = cur.execute(
             "SELECT k.node, n.name, EXISTS (SELECT 1 FROM entity_index i WHERE i.node = k.node) FROM _fw_names k "
             "CROSS JOIN LATERAL (SELECT n.name FROM entity_names n WHERE n.node = k.node OFFSET 0) n").fetchall()
-        EventStore._check_node_ids(pa.table({"name": names.column("name"), "node": unsigned}),
-                                   [(n % (1 << 64), x) for n, x, _ in have])
+        unsigned = names.set_column(0, "node", pc.cast(names.column("node"), pa.uint64(), safe=False))
+        clashes = EventStore._check_node_ids(unsigned, [(n % (1 << 64), x) for n, x, _ in have])
+        rejected: dict[int, dict[str, Any]] = {}
+        if clashes:  # refuse the rows that mention a colliding name (and their streams' other rows)
+            rejected = EventStore._rejected_rows(
+                *(batch.column(c).to_pylist() for c in ("stream", "type")), cols.column("event_id").to_pylist(),
+                cols.column("entity").to_pylist(), batch.column("causation").to_pylist(), clashes,
+                rows=batch.column("_i").to_pylist())
+            keep = np.ones(batch.num_rows, dtype=bool)
+            keep[list(rejected)] = False
+            batch, cols = batch.filter(pa.array(keep)), cols.filter(pa.array(keep))
+            names = _names_of(batch, cols)
+            if not batch.num_rows:
+                return AppendResult(rejected=list(rejected.values()))
+            expected_versions = _store.expected_of(expected_versions, set(batch.column("stream").to_pylist()))
+        n_rows = batch.num_rows
+        streams = batch.column("stream")
+        ids = cols.column("event_id")
+        # Stage the batch's streams and look them up; record its new names.
+        self._copy(cur, "_fw_streams", "s", [_pg_text(pc.unique(streams))])
+        known_s, known_v, held = self._lookup(cur)
+        if len(known_s):  # the streams that exist: those another writer may append to before the lock
+            self._copy(cur, "_fw_known", "s", [_pg_text(known_s)])
         known_nodes = pa.array([n for n, _, _ in have], pa.int64())
         fresh_names = names.filter(pc.invert(pc.is_in(names.column("node"), value_set=known_nodes)))
         self._copy(cur, "entity_names", "node, name",
@@ -604,7 +641,7 @@ class PostgresEventStore(EventStore):
                 held = pa.concat_arrays([held, h2])
         plan = plan_append(streams, ids, known_s, known_v, held, expected_versions)
         n_new = plan.n_new
-        result = AppendResult(appended=n_new, already_recorded=n_rows - n_new)
+        result = AppendResult(appended=n_new, already_recorded=n_rows - n_new, rejected=list(rejected.values()))
         if n_new == 0:
             return result
         mask = pa.array(plan.fresh)
@@ -822,8 +859,9 @@ class PostgresEventStore(EventStore):
     def entity(self, entity_id: str) -> dict[str, Any] | None:
         rows = self._q(
             "SELECT e.stream, e.type, i.first_seq, i.last_seq, i.n_events, e.payload::text "
-            "FROM entity_index i JOIN events e ON e.seq = i.last_seq WHERE i.node = %s",
-            [signed_node_id(entity_id)],
+            "FROM entity_index i JOIN events e ON e.seq = i.last_seq "
+            "JOIN entity_names n ON n.node = i.node AND n.name = %s WHERE i.node = %s",
+            [entity_id, signed_node_id(entity_id)],  # the name too: another name may hold this node id
         )
         if not rows:
             return None
@@ -866,6 +904,10 @@ class PostgresEventStore(EventStore):
             return []
         return [r[0] for r in self._q(
             "SELECT s FROM unnest(%s::text[]) AS s WHERE EXISTS (SELECT 1 FROM events e WHERE e.stream = s)", [values])]
+
+    def _names_holding(self, nodes: list[int]) -> list[tuple[int, str]]:
+        return [(n, x) for n, x in self._q("SELECT node, name FROM entity_names WHERE node = ANY(%s::bigint[])",
+                                            [[_signed(n) for n in nodes]])]
 
     def entity_heads(self, entity_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
         ids = list(entity_ids)

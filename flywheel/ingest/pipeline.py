@@ -77,11 +77,14 @@ from flywheel.ingest.prepare import PREPARED_SCHEMA, Batch, Preparer
 from flywheel.ingest.reader import Line, iter_lines, open_binary, open_source, position
 from flywheel.ingest.worker import ParallelBatches
 from flywheel.schemas.gx_suites import prewarm_traces_batch, validate_traces_batch
-from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore
+from flywheel.store import BATCH_SCHEMA, ConcurrencyError, EventStore, StoreError
 from flywheel.tool_registry import ToolRegistryError, load_registry
 from flywheel.vocab.ids import canonical_json, sha256_file
 
 MAX_TRACE_IDS = 100
+# The quarantine reason of a trace whose ``trace:`` id the store cannot record: another entity id holds
+# its 64-bit node id (an MD5 prefix collision; flywheel.store.node_id).
+ENTITY_ID_COLLISION = "entity_id_collision"
 # Tries of one batch's commit when other writers keep appending to its streams meanwhile, with a
 # randomised, growing pause between tries (up to COMMIT_BACKOFF_S * 2**attempt): without it a writer that
 # reaches the store through the owner's socket kept losing the race to the owner's own faster appends
@@ -271,14 +274,15 @@ class _Committer:
             )
 
     def commit(self, b: Batch, ingest_id: str, file_sha: str, *, causation: list[str],
-               quarantine_stream: str | None, quarantine_payload_extra: dict[str, Any] | None = None) -> None:
+               quarantine_stream: str | None, quarantine_payload_extra: dict[str, Any] | None = None,
+               file: str = "", fmt: str = "") -> None:
         """Dedup against the store, GX, artifacts, then one ``append_batch``; committed again from fresh
         reads when another writer appended to one of the batch's streams in between."""
         for attempt in range(COMMIT_ATTEMPTS):
             saved = copy.deepcopy(self.summary)
             try:
                 return self._commit(b, ingest_id, file_sha, causation=causation, quarantine_stream=quarantine_stream,
-                                    quarantine_payload_extra=quarantine_payload_extra)
+                                    quarantine_payload_extra=quarantine_payload_extra, file=file, fmt=fmt)
             except ConcurrencyError:
                 self.summary.__dict__.update(saved.__dict__)
                 self._failure_states.clear()
@@ -287,9 +291,10 @@ class _Committer:
                 time.sleep(random.uniform(0, COMMIT_BACKOFF_S * 2 ** min(attempt, 6)))
 
     def _commit(self, b: Batch, ingest_id: str, file_sha: str, *, causation: list[str],
-                quarantine_stream: str | None, quarantine_payload_extra: dict[str, Any] | None = None) -> None:
+                quarantine_stream: str | None, quarantine_payload_extra: dict[str, Any] | None = None,
+                file: str = "", fmt: str = "") -> None:
         """One try of :meth:`commit`. Column-wise: the only per-row Python loop left here is over the
-        batch's failures."""
+        batch's failures (and over traces whose id collides, :meth:`_collisions`)."""
         s = self.summary
         s.read += b.read
         s.duplicates += b.in_batch_duplicates
@@ -304,8 +309,14 @@ class _Committer:
             kept, streams = tbl.filter(mask), streams.filter(mask)
         else:
             kept = tbl
+        s.duplicates += tbl.num_rows - kept.num_rows
+        # A trace whose stream's node id another name holds (a 64-bit MD5 collision) cannot be recorded:
+        # it is quarantined (reason entity_id_collision) and the rest of the batch goes on.
+        quarantine = list(b.quarantine)  # a retried commit starts again from the batch's own
+        if kept.num_rows:
+            kept, streams = self._collisions(kept, streams, quarantine, file or (quarantine[0]["file"] if quarantine else ""),
+                                             file_sha, fmt)
         n = kept.num_rows
-        s.duplicates += tbl.num_rows - n
         self.gx(b, kept)
         events: list[pa.Table] = []
         if n:
@@ -323,15 +334,15 @@ class _Committer:
         ev_type: list[str] = []
         ev_payload: list[str] = []
         ev_cause: list[list[str]] = []
-        if b.quarantine and quarantine_stream:
-            qt = pa.Table.from_pylist(b.quarantine, schema=QUARANTINE_SCHEMA)
+        if quarantine and quarantine_stream:
+            qt = pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA)
             qref = self.artifacts.put_table(qt)
-            by_reason = dict(sorted(Counter(q["reason"] for q in b.quarantine).items()))
+            by_reason = dict(sorted(Counter(q["reason"] for q in quarantine).items()))
             qpayload = {
-                "ingest": ingest_id, "file": b.quarantine[0]["file"], "file_sha256": file_sha, "batch": b.no,
-                "records": len(b.quarantine), "by_reason": by_reason,
+                "ingest": ingest_id, "file": quarantine[0]["file"], "file_sha256": file_sha, "batch": b.no,
+                "records": len(quarantine), "by_reason": by_reason,
                 "artifact": {"sha256": qref.sha256, "rows": qt.num_rows},
-                "resolved_lines": [], "remaining": len(b.quarantine),
+                "resolved_lines": [], "remaining": len(quarantine),
             }
             qpayload.update(quarantine_payload_extra or {})
             ev_stream.append(quarantine_stream)
@@ -390,6 +401,13 @@ class _Committer:
             table = events[0] if len(events) == 1 else pa.concat_tables(events)
             res = self.store.append_batch(table, correlation_id=self.correlation_id, validated=True,
                                           expected_versions=expected)
+            if res.rejected:
+                # Checked just before (_collisions): only a name another writer recorded since can be
+                # refused here. Those rows are not in the store; say which, loudly, and go on.
+                raise StoreError("ingest: the store refused events of this batch after the collision check "
+                                 f"(another writer recorded a colliding entity id meanwhile): {res.rejected[0]['reason']}; "
+                                 f"{len(res.rejected)} event(s) refused, the rest appended; run the ingest again "
+                                 "to quarantine them")
             s.events_appended += res.appended
             if res.already_recorded:
                 cache.clear()
@@ -404,10 +422,32 @@ class _Committer:
             s.successes += pc.sum(pc.equal(kept.column("status"), "success")).as_py() or 0
             for item in pc.value_counts(pc.list_flatten(kept.column("kinds"))).to_pylist():
                 s.failures_by_kind[item["values"]] = s.failures_by_kind.get(item["values"], 0) + item["counts"]
-        for q in b.quarantine:
+        for q in quarantine:
             s.quarantined_by_reason[q["reason"]] = s.quarantined_by_reason.get(q["reason"], 0) + 1
         s.new_failures += new
         s.updated_failures += upd
+
+    def _collisions(self, kept: pa.Table, streams: pa.Array, quarantine: list[dict[str, Any]], file: str,
+                    file_sha: str, fmt: str) -> tuple[pa.Table, pa.Array]:
+        """``kept`` and ``streams`` without the traces whose ``trace:`` id the store would refuse (its
+        node id held by another name: :meth:`EventStore.colliding_names`), which are added to
+        ``quarantine`` with reason :data:`ENTITY_ID_COLLISION` and the redacted trace as raw text."""
+        clashes = self.store.colliding_names(streams)
+        if not clashes:
+            return kept, streams
+        bad = pc.is_in(streams, value_set=pa.array(list(clashes), pa.string()))
+        for stream, line, trace in zip(streams.filter(bad).to_pylist(), kept.column("line").filter(bad).to_pylist(),
+                                       kept.column("trace").filter(bad).to_pylist(), strict=True):
+            quarantine.append({
+                "file": file, "file_sha256": file_sha, "line": line, "format": fmt, "reason": ENTITY_ID_COLLISION,
+                "detail": (f"entity id {stream!r} collides with {clashes[stream]!r}: they share a 64-bit node id "
+                           "(MD5 prefix), which the store keeps for the name it recorded first; "
+                           "give this trace another trace_id to ingest it")[:1000],
+                "raw": trace, "raw_bytes": len(trace.encode()), "replayable": False,
+            })
+        keep = pc.invert(bad)
+        return kept.filter(keep), streams.filter(keep)
+
 
 def _threaded(gen: Iterator[Batch]) -> Iterator[Batch]:
     """Run a batch generator one batch ahead in a daemon thread (exceptions re-raised here)."""
@@ -535,7 +575,7 @@ def _ingest_file(cfg: FlywheelConfig, committer: _Committer, path: Path, fmt: st
         nonlocal done
         for b in batches:
             committer.commit(b, ingest_id, sha, causation=[ingest_id],
-                             quarantine_stream=f"quarantine:{sha[:16]}-{b.no:05d}")
+                             quarantine_stream=f"quarantine:{sha[:16]}-{b.no:05d}", file=path.name, fmt=fmt)
             done += b.read
             if progress:
                 progress({"file": str(path), "records": done, "bytes_done": b.bytes_done, "bytes_total": size})

@@ -388,14 +388,15 @@ def test_node_ids_match_duckdb_and_a_collision_is_refused():
     names = ["trace:abc", "model:policy/2", "ingest:b0", "é"]
     assert [node_id(n) for n in names] == [
         con.execute("SELECT (md5_number(?) >> 64)::UBIGINT", [n]).fetchall()[0][0] for n in names]
-    # A 64-bit collision is astronomically unlikely; fabricate one to see the append refuse it.
+    # A 64-bit collision is astronomically unlikely; fabricate one to see the append refuse the name
+    # that comes second (the store's name, else the batch's first, keeps the node id).
     same = pa.table({"name": ["a:x", "a:y"], "node": pa.array([7, 7], pa.uint64())})
-    with pytest.raises(StoreError, match="'a:x' and 'a:y'"):
-        EventStore._check_node_ids(same, [])
+    assert EventStore._check_node_ids(same, []) == {"a:y": ("a:x", 7)}
+    later = same.append_column("row", pa.array([5, 2], pa.int64()))
+    assert EventStore._check_node_ids(later, []) == {"a:x": ("a:y", 7)}
     one = pa.table({"name": ["a:y"], "node": pa.array([7], pa.uint64())})
-    with pytest.raises(StoreError, match="'a:x' and 'a:y'"):
-        EventStore._check_node_ids(one, [(7, "a:x")])
-    EventStore._check_node_ids(one, [(7, "a:y")])  # the same name seen before is fine
+    assert EventStore._check_node_ids(one, [(7, "a:x")]) == {"a:y": ("a:x", 7)}
+    assert EventStore._check_node_ids(one, [(7, "a:y")]) == {}  # the same name seen before is fine
 
 
 def test_a_batch_in_several_chunks_numbers_each_stream_across_them(store):
@@ -538,7 +539,7 @@ def test_small_append_refuses_a_name_whose_node_id_an_other_name_holds(tmp_path)
         s.append("trace:a", ev(1))
         s.con.execute("INSERT INTO entity_names VALUES (?, 'ingest:impostor')", [node_id("ingest:b1")])
     with EventStore(path) as s:
-        with pytest.raises(StoreError, match="'ingest:b1' and 'ingest:impostor'|'ingest:impostor' and 'ingest:b1'"):
+        with pytest.raises(StoreError, match="'ingest:b1' and 'ingest:impostor'"):
             s.append("trace:b", ev(1, ["ingest:b1"]))
         assert s.last_seq() == 1
 
