@@ -293,7 +293,10 @@ def run_learning(
         from flywheel.rollouts import run_rollouts
 
         say("learn", {"status": "running", "phase": "rollouts of the first-pass model"})
-        roll = run_rollouts(cfg, store, artifacts, tracker, policy=ckpt, correlation_id=correlation_id)
+        # Every group is kept here (an all-fail group holds the sampled failures RPO pairs with the
+        # corrections); the GRPO arm drops zero-variance groups itself and trains on the rest.
+        keep_all = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"dynamic_sampling": "off"})})
+        roll = run_rollouts(keep_all, store, artifacts, tracker, policy=ckpt, correlation_id=correlation_id)
 
     # 4. arms from the first-pass checkpoint, one budget each
     results: list[ArmResult] = []
@@ -471,7 +474,7 @@ def _grpo_arm(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, 
                        f"{t.grpo_min_signal_groups}): GRPO would spend its budget on a no-op")
         return None
     return train_grpo(cfg, store, artifacts, tracker, [roll.rollout_id], base=ckpt, steps=t.arm_steps,
-                      on_step=on_step, exclude_tasks=dev, budget_cpu_s=t.arm_budget_cpu_s)
+                      on_step=on_step, exclude_tasks=dev, budget_cpu_s=t.arm_budget_cpu_s, drop_zero_variance=True)
 
 
 def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnResult, *, correlation_id: str | None) -> None:

@@ -284,11 +284,14 @@ def train_grpo(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     exclude_tasks: set[str] | frozenset[str] = frozenset(),
     budget_cpu_s: float | None = None,
+    drop_zero_variance: bool = False,
 ) -> TrainResult:
     """GRPO-family training on published rollout datasets; registers the result as ``challenger``.
 
     ``exclude_tasks``: task ids whose groups are not trained on (the learning stage's dev split);
-    ``budget_cpu_s``: stop once the run has used this many process CPU-seconds.
+    ``budget_cpu_s``: stop once the run has used this many process CPU-seconds; ``drop_zero_variance``:
+    DAPO's dynamic sampling on the given datasets -- groups whose rewards are all equal (no advantage,
+    no gradient) are dropped and every batch is filled with groups that carry signal.
 
     ``steps`` optimizer steps per iteration of ``cfg.train.batch_size`` sequences (whole groups) at
     peak learning rate ``lr`` (default ``cfg.train.lr``); every other knob is ``cfg.train``. With
@@ -330,6 +333,11 @@ def train_grpo(
         for x in s:  # group ids are only unique within one dataset
             x.group_id = f"{eid}#{x.group_id}"
         samples.extend(x for x in s if x.task_id not in exclude_tasks)
+    if drop_zero_variance:
+        rewards: dict[str, set[float]] = {}
+        for x in samples:
+            rewards.setdefault(x.group_id, set()).add(round(float(x.reward), 9))
+        samples = [x for x in samples if len(rewards[x.group_id]) > 1]
         stats_list.append(st.to_dict())
     if not samples:
         raise TrainStageError(f"rollouts {consumes}: no usable samples (all rows had infra errors?)")

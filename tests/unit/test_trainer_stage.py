@@ -136,3 +136,42 @@ def test_grpo_refuses_rollouts_sampled_at_another_temperature(cfg, store, sample
     rid = _publish_sampled_at(store, artifacts, "t", sampled)
     with pytest.raises(TrainStageError, match=needle):
         train_grpo(cfg, store, artifacts, Tracker(cfg), [rid], base="/nonexistent")
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_and_refills_batches_from_signal_groups(cfg, store, tiny_dir,
+                                                                                           monkeypatch):
+    """Issue 30 (DAPO dynamic sampling): with drop_zero_variance, all-pass and all-fail groups never reach
+    the trainer, nor do the dev split's tasks (exclude_tasks); every batch is filled with signal groups."""
+    import flywheel.train.trainer as trainer_mod
+    from flywheel.artifacts import open_artifacts
+    from flywheel.tracking import Tracker
+    from flywheel.train.stage import train_grpo
+
+    rows = rollout_table(n_groups=4, k=4).to_pylist()
+    for r in rows:
+        g = int(r["group_id"][1:])
+        r["infra_error"] = None
+        if g == 1:
+            r["reward"], r["passed"] = 0.0, False  # all fail: no signal
+        elif g == 2:
+            r["reward"], r["passed"] = 1.0, True  # all pass: no signal
+        # g0 and g3 alternate 0/1 (signal); t3 is the dev split's task
+    table = pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA)
+    cfg.train.lora_r = 4
+    cfg.train.batch_size = 4
+    artifacts = open_artifacts(cfg)
+    rid = publish(store, artifacts, "dyn", table)
+    seen: list[list[str]] = []
+    real_batches = trainer_mod.batches
+
+    def spy(samples, batch_size, steps, *, seed=0):
+        for b in real_batches(samples, batch_size, steps, seed=seed):
+            seen.append([s.group_id for s in b])
+            yield b
+
+    monkeypatch.setattr(trainer_mod, "batches", spy)
+    res = train_grpo(cfg, store, artifacts, Tracker(cfg), [rid], base=tiny_dir, steps=2, lr=1e-3,
+                     drop_zero_variance=True, exclude_tasks={"t3"})
+    assert res.steps == 2 and len(seen) == 2
+    # only group g0 carries signal outside the dev split: every batch is 4 of its samples
+    assert all(len(b) == 4 and {g.rsplit("#", 1)[-1] for g in b} == {"g0"} for b in seen), seen
