@@ -92,7 +92,9 @@ class StageDisplay:
         elif status == "warning":
             text = f"[bold yellow]warning:[/] {info.get('warning')}"
         else:
-            text = status + "".join(f", {k} {v}" for k, v in info.items() if k != "status" and v is not None)
+            text = status + "".join(f", {k} {v}" for k, v in info.items() if k not in ("status", "phase") and v is not None)
+        if info.get("phase") and not text.startswith(str(info["phase"])):
+            text = f"{info['phase']}: {text}"  # the learning stage's first pass, probe, arms, dev, fold-in
         self.rows[stage] = text
         if self.live is not None and console.is_terminal:
             self.live.update(self._render())
