@@ -102,9 +102,10 @@ _EXPORT_SQL = {
 _BATCH_COLUMNS = "i, event_id, stream, type, payload, causation, entity, node, pnodes"
 
 
-def _names_of(batch: pa.Table, cols: pa.Table) -> pa.Table:
-    """(node, name, row) of every entity and causation name of a batch, once, sorted by node; ``row``:
-    the first row of the batch that mentions the name."""
+def _names_of(batch: pa.Table, cols: pa.Table, with_rows: bool = False) -> pa.Table:
+    """(node, name) of every entity and causation name of a batch, once, sorted by node; ``with_rows``
+    adds ``row``, the first row of the batch that mentions the name (what the collision check needs
+    when two of the batch's names share a node id)."""
     causation = batch.column("causation").combine_chunks()
     pnodes = cols.column("pnodes").combine_chunks()
     rows = pa.array(np.arange(batch.num_rows, dtype=np.int64))
@@ -113,7 +114,10 @@ def _names_of(batch: pa.Table, cols: pa.Table) -> pa.Table:
         pa.table({"node": pc.list_flatten(pnodes), "name": pc.list_flatten(causation),
                   "row": pc.take(rows, pc.list_parent_indices(causation))}),
     ])
-    t = t.filter(pc.is_valid(t.column("name"))).group_by(["node", "name"]).aggregate([("row", "min")])
+    t = t.filter(pc.is_valid(t.column("name")))
+    if not with_rows:
+        return t.group_by(["node", "name"]).aggregate([]).sort_by("node")
+    t = t.group_by(["node", "name"]).aggregate([("row", "min")])
     return t.select(["node", "name", "row_min"]).rename_columns(["node", "name", "row"]).sort_by("node")
 
 
@@ -585,8 +589,15 @@ class PostgresEventStore(EventStore):
         have = cur.execute(
             "SELECT k.node, n.name, EXISTS (SELECT 1 FROM entity_index i WHERE i.node = k.node) FROM _fw_names k "
             "CROSS JOIN LATERAL (SELECT n.name FROM entity_names n WHERE n.node = k.node OFFSET 0) n").fetchall()
-        unsigned = names.set_column(0, "node", pc.cast(names.column("node"), pa.uint64(), safe=False))
-        clashes = EventStore._check_node_ids(unsigned, [(n % (1 << 64), x) for n, x, _ in have])
+        # A collision: two of the batch's names share a node id, or a stored name that is not among the
+        # batch's names holds one of theirs (both rare: the check itself runs only then).
+        unique = pc.count_distinct(names.column("node")).as_py() == names.num_rows
+        clashes: dict[str, tuple[str, int]] = {}
+        if not unique or (have and not pc.all(pc.is_in(pa.array([x for _, x, _ in have], pa.string()),
+                                                        value_set=names.column("name"))).as_py()):
+            checked = names if unique else _names_of(batch, cols, True)
+            unsigned = checked.set_column(0, "node", pc.cast(checked.column("node"), pa.uint64(), safe=False))
+            clashes = EventStore._check_node_ids(unsigned, [(n % (1 << 64), x) for n, x, _ in have])
         rejected: dict[int, dict[str, Any]] = {}
         if clashes:  # refuse the rows that mention a colliding name (and their streams' other rows)
             rejected = EventStore._rejected_rows(
