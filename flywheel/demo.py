@@ -70,12 +70,19 @@ PROFILES: dict[str, dict[str, Any]] = {
             # "fast": bf16 on CPUs that compute it natively (AVX512-BF16/AMX: ~2.4x faster SFT), else fp32.
             "policy": {"base_model": "smollm2-135m", "device": "cpu", "dtype": "fast"},
             "evals": {"heldout_fraction": 0.3},
-            "synth": {"per_seed": 1, "generators": ["mutate"]},
-            "rollout": {"group_size": 4, "max_new_tokens": 48, "max_tasks": 8, "temperature": 1.0},
-            # train.mode "sft": every cycle learns from the corrections first (SFT), then GRPO on the SFT
-            # model's own rollouts when their groups carry signal.
-            "train": {"mode": "sft", "loss": "dapo", "sft_steps": 12, "steps": 2, "batch_size": 8, "lora_r": 16,
-                      "lora_alpha": 32, "sft_lr": 1e-3, "lr": 2e-5,
+            # per_seed sizes the synthesis the probe plans (variants ~ per_seed x train-side tasks).
+            "synth": {"per_seed": 1, "generators": ["mutate", "schema_values", "masked_names", "distractor",
+                                                    "parallel", "irrelevance"]},
+            "rollout": {"group_size": 4, "max_new_tokens": 48, "max_tasks": 8, "temperature": 1.0,
+                        "dynamic_sampling": "drop"},
+            # train.mode "arms" (flywheel.learn): one full SFT pass over every real correction (and, from
+            # cycle 2, the champion's successes and the earlier wave's corrections), then four arms of 3
+            # steps each from that checkpoint -- plain-SFT control, probe-aimed synthesis, RPO on the
+            # policy's own failures, GRPO where groups carry signal -- chosen on a dev split; the control
+            # ships unless an arm beats it. answer_only: prompts are ~94% of the tokens and carry no loss.
+            "train": {"mode": "arms", "loss": "dapo", "first_pass_epochs": 1.0, "arm_steps": 3, "batch_size": 8,
+                      "lora_r": 16, "lora_alpha": 32, "sft_lr": 1e-3, "lr": 2e-4, "prompt_grad": "answer_only",
+                      "probe_tasks": 24, "dev_fraction": 0.15, "dev_min_items": 8,
                       # ~2k tokens per micro-batch keeps SmolLM2 training under ~8 GB RSS on CPU (8k: OOM at 24 GB).
                       "micro_batch_tokens": 2048},
             "gate": {"max_new_tokens": 48, "bootstrap_samples": 2000, "min_improvement": 0.0},
@@ -92,9 +99,14 @@ PROFILES: dict[str, dict[str, Any]] = {
         "config": {
             "policy": {"base_model": "tiny", "device": "cpu", "dtype": "float32"},
             "evals": {"heldout_fraction": 0.3},
-            "synth": {"per_seed": 1, "generators": ["mutate"]},
-            "rollout": {"group_size": 2, "max_new_tokens": 12, "max_tasks": 4},
-            "train": {"mode": "sft", "sft_steps": 2, "steps": 1, "batch_size": 4, "lora_r": 4, "micro_batch_tokens": 4096},
+            "synth": {"per_seed": 1, "generators": ["mutate", "schema_values", "masked_names", "distractor",
+                                                    "parallel", "irrelevance"]},
+            "rollout": {"group_size": 2, "max_new_tokens": 12, "max_tasks": 4, "dynamic_sampling": "drop"},
+            # the whole learning stage at toy size; grpo_min_signal_groups 1 so the GRPO arm trains when a
+            # random model happens to give any group signal (it usually gives none: skipped, with the count).
+            "train": {"mode": "arms", "first_pass_epochs": 1.0, "arm_steps": 1, "batch_size": 4, "lora_r": 4,
+                      "micro_batch_tokens": 4096, "prompt_grad": "answer_only", "probe_tasks": 4,
+                      "dev_fraction": 0.2, "dev_min_items": 2, "grpo_min_signal_groups": 1},
             "gate": {"max_new_tokens": 12, "bootstrap_samples": 200, "min_improvement": 0.0},
         },
     },
@@ -107,10 +119,12 @@ PROFILES: dict[str, dict[str, Any]] = {
         "config": {
             "policy": {"base_model": "smollm2-135m", "device": "cuda", "dtype": "bfloat16"},
             "evals": {"heldout_fraction": 0.3},
-            "synth": {"per_seed": 8, "generators": ["mutate", "distractor", "parallel"]},
-            "rollout": {"group_size": 8, "max_new_tokens": 96, "max_tasks": 256},
-            "train": {"mode": "sft", "loss": "dapo", "sft_steps": 200, "steps": 32, "batch_size": 32,
-                      "lora_r": 0, "sft_lr": 1e-4, "lr": 1e-6, "micro_batch_tokens": 32768},
+            "synth": {"per_seed": 8, "generators": ["mutate", "schema_values", "masked_names", "distractor",
+                                                    "parallel", "irrelevance"]},
+            "rollout": {"group_size": 8, "max_new_tokens": 96, "max_tasks": 256, "dynamic_sampling": "drop"},
+            "train": {"mode": "arms", "loss": "dapo", "first_pass_epochs": 2.0, "arm_steps": 32, "batch_size": 32,
+                      "lora_r": 0, "sft_lr": 1e-4, "lr": 1e-6, "micro_batch_tokens": 32768, "probe_tasks": 128,
+                      "dev_fraction": 0.15, "dev_min_items": 30},
             "gate": {"max_new_tokens": 96, "bootstrap_samples": 5000, "min_improvement": 0.0},
         },
     },
@@ -344,6 +358,14 @@ def run_wave(cfg: FlywheelConfig, profile: str, wave: int, items: list[Any], *, 
 
 def _trained_how(cycle: dict[str, Any], version: int, name: str) -> str:
     st = cycle.get("stages") or {}
+    learn = st.get("learn") or {}
+    if learn.get("model_version") == version:
+        fp = learn.get("first_pass") or {}
+        arm = next((a for a in learn.get("arms") or [] if a.get("name") == learn.get("chosen")), {})
+        dev = f", dev {arm.get('dev_passed')}/{arm.get('dev_items')}" if arm.get("dev_items") else ""
+        fold = " + dev fold-in" if learn.get("fold_in") else ""
+        return (f"SFT pass ({fp.get('steps')} steps, {fp.get('demonstrations')} corrections) + "
+                f"{learn.get('chosen')} arm ({arm.get('steps')} steps{dev}){fold}")
     parts = []
     sft, grpo = st.get("sft") or {}, st.get("grpo") or {}
     if sft.get("model_version") is not None and sft["model_version"] <= version:

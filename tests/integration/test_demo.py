@@ -57,16 +57,25 @@ def test_each_cycle_runs_every_stage_and_says_why_the_champion_stays(demo_run):
     for c in (c1, c2):
         st = c["stages"]
         assert st["evals"]["warnings"] and "insufficient evidence" in st["evals"]["warnings"][0]
-        assert st["sft"]["model_version"] and st["train_mode"]["mode"] == "sft"
+        assert st["train_mode"]["mode"] == "arms"
+        learn = st["learn"]
+        arms = {a["name"]: a for a in learn["arms"]}
+        assert list(arms) == ["control", "targeted", "rpo", "grpo"] and arms["control"]["skipped"] is None
+        assert learn["chosen"] in arms and learn["why"] and learn["dev"]["items"] >= 2
+        assert learn["first_pass"]["steps"] >= 1 and learn["first_pass"]["cpu_s"] > 0
+        for a in arms.values():  # every arm trained within its budget or says why it did not
+            assert (a["skipped"] is None) == (a["model_version"] is not None)
+            assert a["skipped"] is not None or (a["steps"] == 1 and a["dev_items"] == learn["dev"]["items"])
+        assert learn["model_version"] == st["gate"]["challenger_version"]
         gate = st["gate"]
         assert gate["outcome"] == "insufficient_evidence" and gate["passed"] is False
         assert gate["numbers"]["paired_items"] < gate["numbers"]["min_paired_items"] == 30
         assert c["outcome"] == "insufficient_evidence" and "the champion stays" in c["reason"]
-        # train.mode = sft: no champion rollouts (they would be discarded); the SFT model's feed GRPO.
-        assert {"ingest", "evals", "envs", "synth", "train-sft", "rollouts-after-sft", "gate"} <= set(c["timings"])
-        assert "rollouts" not in c["timings"]
+        # train.mode = arms: no champion rollouts; synthesis runs inside the learning stage, aimed by its probe.
+        assert {"ingest", "evals", "envs", "learn", "gate"} <= set(c["timings"])
+        assert "rollouts" not in c["timings"] and "synth" not in c["timings"]
     # Cycle 2 trains from the (unchanged) champion and gates against it.
-    assert c2["stages"]["sft"]["base"] == "model:policy/1"
+    assert c2["stages"]["learn"]["first_pass"]["base"] == "model:policy/1"
     assert c2["stages"]["gate"]["numbers"]["champion"] == "model:policy/1"
     assert res["scoreboard"]["champions"] == [1] and res["scoreboard"]["final_champion"] == "model:policy/1"
 
@@ -121,7 +130,7 @@ def test_per_stage_timings_report_and_home(demo_run):
     t = res["timings"]
     for key in ("prepare_s", "wave1_traffic_s", "cycle1_s", "wave2_traffic_s", "cycle2_s", "scoreboard_s", "total_s"):
         assert t[key] >= 0
-    assert t["cycle1.train-sft_s"] > 0 and t["cycle2.gate_s"] > 0
+    assert t["cycle1.learn_s"] > 0 and t["cycle2.gate_s"] > 0
     report = Path(res["report"]["path"])
     assert report.exists() and "<svg" in report.read_text()
     # Library output went to the log under the home, not to the terminal.
@@ -131,3 +140,34 @@ def test_per_stage_timings_report_and_home(demo_run):
     # Nothing outside the home directory: everything the demo wrote lives under it.
     assert (home / "warehouse.duckdb").exists() and (home / "mlflow.db").exists()
     assert oct(home.stat().st_mode & 0o777) == "0o700"
+
+
+def test_the_learning_stage_records_its_decision_and_preference_pairs_with_lineage(demo_run):
+    """Issue 30: arms, their budgets and dev scores in one learning.decided event; the RPO arm's pairs in
+    Parquet as a preferences.published dataset whose lineage reaches production traces."""
+    home, res, _ = demo_run
+    from flywheel.artifacts import open_artifacts
+    from flywheel.config import load_config
+    from flywheel.lineage import traces_of
+    from flywheel.store import open_store
+
+    cfg = load_config(environ={}, overrides={"home": str(home)})
+    with open_store(cfg) as store:
+        arts = open_artifacts(cfg)
+        for c in res["cycles"]:
+            learn = c["stages"]["learn"]
+            ev = store.read(stream=learn["learn_id"], types="learning.decided")
+            assert len(ev) == 1 and ev[0].payload["chosen"] == learn["chosen"]
+            assert learn["model_entity"] in [a for a, _ in store.lineage(learn["learn_id"], "down")] or \
+                learn["model_entity"] in ev[0].causation
+            rpo = next(a for a in learn["arms"] if a["name"] == "rpo")
+            if rpo["skipped"] is None:
+                pid = rpo["detail"]["preferences"]
+                pub = store.read(stream=pid, types="preferences.published")
+                assert len(pub) == 1
+                table = arts.read_table(pub[0].payload["artifact"]["sha256"])
+                assert table.num_rows == rpo["detail"]["pairs"] > 0
+                assert traces_of(store, pid), "the pairs' lineage must reach production traces"
+        # at least one cycle had pairs: wave 1's failures are the base model's prose answers
+        assert any(next(a for a in c["stages"]["learn"]["arms"] if a["name"] == "rpo")["skipped"] is None
+                   for c in res["cycles"])
