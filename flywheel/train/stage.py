@@ -333,12 +333,12 @@ def train_grpo(
         for x in s:  # group ids are only unique within one dataset
             x.group_id = f"{eid}#{x.group_id}"
         samples.extend(x for x in s if x.task_id not in exclude_tasks)
+        stats_list.append(st.to_dict())
     if drop_zero_variance:
         rewards: dict[str, set[float]] = {}
         for x in samples:
             rewards.setdefault(x.group_id, set()).add(round(float(x.reward), 9))
         samples = [x for x in samples if len(rewards[x.group_id]) > 1]
-        stats_list.append(st.to_dict())
     if not samples:
         raise TrainStageError(f"rollouts {consumes}: no usable samples (all rows had infra errors?)")
     model, tok, base_spec = load_policy(cfg, tracker, base, device=_device(cfg))
