@@ -82,7 +82,6 @@ import asyncio
 import datetime as _dt
 import hashlib
 import hmac
-import ipaddress
 import logging
 import math
 import os
@@ -107,7 +106,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from flywheel.config import FlywheelConfig, ServeConfig
-from flywheel.net import bind, is_loopback
+from flywheel.net import (
+    LOOPBACK_HOSTS,
+    allowed_hosts_for,
+    bind,
+    head_timeout_protocol,
+    host_name,
+    is_loopback,
+)
 from flywheel.policy.base import Policy, PromptTooLongError, SamplingParams
 from flywheel.policy.batching import BatchingPolicy
 from flywheel.policy.hf import HFPolicy
@@ -126,7 +132,6 @@ PolicyProvider = Callable[[], "tuple[str, Policy]"]
 #: ``record(event type, stream, payload)`` appends one event or raises.
 Recorder = Callable[[str, str, dict[str, Any]], None]
 
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -387,44 +392,6 @@ def parse_request(model: type[_Model], raw: bytes, limits: ServeLimits | None = 
 
 
 # --------------------------------------------------------------------------- Host header
-def host_name(header: str | None) -> str | None:
-    """The name in a ``Host`` header, lower-cased, without port or trailing dot; None if malformed.
-    ``"[::1]:8000"`` -> ``"::1"``, ``"Localhost.:80"`` -> ``"localhost"``."""
-    if not header:
-        return None
-    h = header.strip().lower()
-    if h.startswith("["):
-        end = h.find("]")
-        rest = h[end + 1 :] if end > 0 else "?"
-        if end < 0 or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
-            return None
-        return h[1:end]
-    name, sep, port = h.rpartition(":")
-    if sep:
-        if not port.isdigit() or ":" in name:
-            return None  # a bare IPv6 address must be bracketed in a Host header (RFC 7230 5.4)
-        h = name
-    return h.rstrip(".") or None
-
-
-def allowed_hosts_for(host: str, extra: Sequence[str] = ()) -> tuple[str, ...]:
-    """The Host names a server bound to ``host`` answers: loopback names for a loopback bind, the
-    address itself for a specific one, any (``"*"``) for a wildcard bind without ``extra`` (such a
-    server always has an API key, which a rebinding page does not know); plus ``extra``."""
-    more = tuple(h.strip().lower().rstrip(".") for h in extra if h.strip())
-    if "*" in more:
-        return ("*",)
-    if is_loopback(host):
-        return (*LOOPBACK_HOSTS, *more)
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return (host.lower().rstrip("."), *more)
-    if ip.is_unspecified:
-        return (*LOOPBACK_HOSTS, *more) if more else ("*",)
-    return (str(ip), *more)
-
-
 # --------------------------------------------------------------------------- adapters
 @dataclass
 class _Adapter:
@@ -884,7 +851,7 @@ def create_app(policy_provider: PolicyProvider, *, api_key: str | None = None, l
     """The FastAPI app (see module docstring). ``policy_provider()`` returns ``(model name, policy)``.
 
     ``allowed_hosts``: Host header names answered (default: the loopback names; see
-    :func:`allowed_hosts_for`). ``adapter_loading``: None keeps the LoRA endpoints off (403).
+    :func:`flywheel.net.allowed_hosts_for`). ``adapter_loading``: None keeps the LoRA endpoints off (403).
     ``app.state.serve`` is the app's :class:`ServeState`.
     """
     state = ServeState(policy_provider, api_key=api_key, limits=limits, allowed_hosts=allowed_hosts,
@@ -1015,62 +982,12 @@ def build_policy(cfg: FlywheelConfig, model: str | None = None, tracker: Tracker
     return name, policy
 
 
-def _head_timeout_protocol(header_timeout_s: float) -> type:
-    """uvicorn's h11 protocol plus a deadline for each request head.
-
-    uvicorn arms its keep-alive timer only after a response and cancels it on any received byte, so
-    a connection that never completes its head (slowloris) is never closed. Here a timer runs from
-    the connection's start (and from each response) until h11 has parsed a complete head; when it
-    fires first the connection is closed. The body has its own deadline in the app (408).
-    """
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeadTimeoutH11Protocol(H11Protocol):
-        _head_timer: asyncio.TimerHandle | None = None
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.conn.their_state is not h11.IDLE:  # a complete head was parsed
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _head_timeout(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                log.info("closing a connection that sent no complete request head in %g s", header_timeout_s)
-                self.transport.close()
-
-    return HeadTimeoutH11Protocol
-
-
 def uvicorn_config(app: FastAPI, **kwargs: Any) -> uvicorn.Config:
     """uvicorn's config for ``app`` with the bounds of its :class:`ServeLimits` (``app.state.limits``)."""
     import uvicorn
 
     lim: ServeLimits = getattr(app.state, "limits", None) or ServeLimits()
-    return uvicorn.Config(app, http=_head_timeout_protocol(lim.header_timeout_s),
+    return uvicorn.Config(app, http=head_timeout_protocol(lim.header_timeout_s),
                           limit_concurrency=lim.limit_concurrency, **kwargs)
 
 
