@@ -407,6 +407,15 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         sampled = _sampled_pairs(store, artifacts, roll, train_real, why_not, pairs_from_samples)
         pairs += sampled
         arm.detail.update(production_pairs=production, sampled_pairs=len(sampled))
+        # Only the pairs the arm's steps will see: train_rpo scores every pair it is given under the starting
+        # weights first, and ~100 pairs of ~350-token prompts cost that pass minutes on 2 CPU cores when 3
+        # steps use 12 of them. Production pairs (what the policy really got wrong) come first.
+        use = t.arm_steps * max(1, t.batch_size // 2)
+        if len(pairs) > use:
+            order = sorted(range(len(pairs)), key=lambda i: (pairs[i].source != "production",
+                                                             digest(f"rpo|{t.seed}|{pairs[i].task_id}|{i}")))
+            pairs = [pairs[i] for i in order[:use]]
+        arm.detail["pairs_used"] = len(pairs)
         if why_not:
             arm.detail["pairs_skipped"] = dict(why_not)
         if not pairs:
