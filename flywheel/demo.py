@@ -79,9 +79,12 @@ PROFILES: dict[str, dict[str, Any]] = {
             # cycle 2, the champion's successes and the earlier wave's corrections), then four arms of 3
             # steps each from that checkpoint -- plain-SFT control, probe-aimed synthesis, RPO on the
             # policy's own failures, GRPO where groups carry signal -- chosen on a dev split; the control
-            # ships unless an arm beats it. answer_only: prompts are ~94% of the tokens and carry no loss.
+            # ships unless an arm beats it. Each arm is also capped at 240 process CPU-seconds: the targeted
+            # arm's synthetic prompts (distractor tools) are ~4x longer, measured 804 CPU-s for 3 steps uncapped.
+            # prompt_grad stays "full": the one run with "answer_only" (commit 9bd5974) promoted cycle 1 on
+            # 5/44 held-out items, against 11-13/44 for the full gradient before the learning stage.
             "train": {"mode": "arms", "loss": "dapo", "first_pass_epochs": 1.0, "arm_steps": 3, "batch_size": 8,
-                      "lora_r": 16, "lora_alpha": 32, "sft_lr": 1e-3, "lr": 2e-4, "prompt_grad": "answer_only",
+                      "lora_r": 16, "lora_alpha": 32, "sft_lr": 1e-3, "lr": 2e-4, "arm_budget_cpu_s": 240,
                       "probe_tasks": 24, "dev_fraction": 0.15, "dev_min_items": 8,
                       # ~2k tokens per micro-batch keeps SmolLM2 training under ~8 GB RSS on CPU (8k: OOM at 24 GB).
                       "micro_batch_tokens": 2048},
