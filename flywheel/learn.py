@@ -325,11 +325,16 @@ def run_learning(
     dev_demos = _demos(dev_tasks)
     if t.dev_fold_in and dev_demos and final_entity:
         clock = _Clock()
+        # The dev corrections with as many replayed train-side ones: steps on 15 dev items alone at the
+        # peak learning rate would pull the shipped model toward those items only.
+        replay = sorted(real_demos, key=lambda d: digest(f"fold|{t.seed}|{d.source_entity_id}"))[: len(dev_demos)]
+        dev_demos = dev_demos + replay
         steps = max(1, math.ceil(len(dev_demos) / t.batch_size))
         say("learn", {"status": "running", "phase": "fold-in", "demonstrations": len(dev_demos), "steps": steps})
         fr = train_sft(cfg, store, artifacts, tracker, dev_demos, base=final_entity, steps=steps)
         wall, cpu = clock.done()
         fold = {"model_entity": fr.model_entity, "run_id": fr.run_id, "steps": fr.steps, "demonstrations": len(dev_demos),
+                "dev": len(dev_tasks), "replayed": len(replay),
                 "tokens": _tokens(fr), "cpu_s": cpu, "wall_s": wall}
         final_version, final_entity = fr.model_version, fr.model_entity
     assert final_version is not None and final_entity is not None
