@@ -200,7 +200,11 @@ class PolicyConfig(_Section):
         "model built in code, for tests).",
     )
     backend: Literal["hf", "openai"] = Field("hf", description="Sampling backend.")
-    base_url: str | None = Field(None, description="OpenAI-compatible endpoint for backend='openai'.")
+    base_url: str | list[str] | None = Field(
+        None,
+        description="OpenAI-compatible endpoint for backend='openai'; several (a list, or one string separated by "
+        "commas) spread rollouts and gate evaluation across replicas, a failed server's work retried on the others.",
+    )
     api_key_env: str = Field("FLYWHEEL_POLICY_API_KEY", description="Env var holding the policy server's API key.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
     dtype: Literal["auto", "fast", "float32", "bfloat16"] = Field(
@@ -216,6 +220,26 @@ class PolicyConfig(_Section):
         "answers); always / never force it.",
     )
     max_concurrency: int = Field(8, ge=1, description="Concurrent HTTP requests (openai backend).")
+
+    @field_validator("base_url")
+    @classmethod
+    def _endpoints(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is None:
+            return None
+        urls = [u.strip() for u in (v.split(",") if isinstance(v, str) else v) if u and u.strip()]
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"must be http(s):// URLs; got {bad[0]!r}")
+        if not urls:
+            return None
+        return urls[0] if len(urls) == 1 else urls
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every configured OpenAI-compatible endpoint, in order (empty when none)."""
+        if self.base_url is None:
+            return []
+        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
     request_timeout_s: float = Field(120.0, gt=0, description="Seconds one policy server request may take.")
 
 
@@ -505,6 +529,32 @@ class StoreConfig(_Section):
         return v or None
 
 
+class ArtifactsConfig(_Section):
+    """Where content-addressed artifacts (Parquet, suites, adapters, reports) live."""
+
+    url: str | None = Field(
+        None,
+        description="Unset: <home>/artifacts only (the embedded default). For a team: a store every worker reaches, "
+        "s3://bucket/prefix (also gs://, az://, file:///shared/dir) or mlflow-artifacts:/prefix (the MLflow "
+        "server's artifact proxy, at mlflow_tracking_uri); <home>/artifacts is then a hash-verified local cache.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str | None) -> str | None:
+        if not v:
+            return None
+        if not v.startswith(ARTIFACT_URL_SCHEMES):
+            raise ValueError(f"must start with one of {', '.join(ARTIFACT_URL_SCHEMES)}; got {v!r}")
+        return v.rstrip("/")
+
+
+ARTIFACT_URL_SCHEMES = ("s3://", "gs://", "az://", "file://", "memory://", "mlflow-artifacts:")
+
+# Cycle stages that may run on a Prefect work pool of their own (``cycle.pools``).
+POOLED_STAGES = ("ingest", "evals", "envs", "synth", "rollouts", "learn", "train-sft", "train-grpo", "gate", "deploy")
+
+
 class CycleConfig(_Section):
     model_name: str = Field("policy", description="Registered model name in MLflow.")
     train_env: str = Field("train", description="Name of the training environment.")
@@ -512,6 +562,24 @@ class CycleConfig(_Section):
     regression_suite: str = Field(
         "regression", description="Name of the suite of successful traces (gate regressions, SFT demonstrations)."
     )
+
+    pools: dict[str, str] = Field(
+        default_factory=dict,
+        description="Stage -> Prefect work pool (e.g. {learn = 'gpu', gate = 'gpu', ingest = 'cpu'}): that stage runs as "
+        "the `flywheel-stage/<pool>` deployment on a worker of the pool instead of in the cycle's own process. "
+        f"Stages: {', '.join(POOLED_STAGES)}. Empty (the embedded default): every stage runs in-process.",
+    )
+
+    @field_validator("pools")
+    @classmethod
+    def _known_stages(cls, v: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(v) - set(POOLED_STAGES))
+        if unknown:
+            raise ValueError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(POOLED_STAGES)}")
+        empty = sorted(k for k, p in v.items() if not p.strip())
+        if empty:
+            raise ValueError(f"stage(s) {', '.join(empty)} map to an empty pool name")
+        return v
 
     @field_validator("model_name", "train_env", "heldout_suite", "regression_suite")
     @classmethod
@@ -564,6 +632,9 @@ class FlywheelConfig(_Section):
     )
     serve: ServeConfig = Field(
         default_factory=ServeConfig, description="The OpenAI-compatible server: bind, keys, bounds, adapters."
+    )
+    artifacts: ArtifactsConfig = Field(
+        default_factory=ArtifactsConfig, description="Where artifacts live: <home>/artifacts, or a team's object store."
     )
     cycle: CycleConfig = Field(
         default_factory=CycleConfig, description="Names the cycle works on: the registered model, the env, the suites."
