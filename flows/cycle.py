@@ -32,8 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flywheel.flows.artifacts import publish_cycle, publish_stage
+from flywheel.flows.artifacts import publish_cycle
 from flywheel.flows.cycle_env import prefect_environment  # noqa: F401 - re-exported
+from flywheel.flows.stages import STAGES
 from prefect import flow, task
 
 from flywheel.champion import reconcile_champion
@@ -45,19 +46,10 @@ from flywheel.cycle import (
     is_infra_error,
     latest_version,
     new_failures_since_last_cycle,
-    summarize,
 )
-from flywheel.deploy import promote
-from flywheel.envs import build_envs
-from flywheel.evals import build_evals
-from flywheel.gate import run_gate
-from flywheel.ingest import ingest_paths
-from flywheel.rollouts import run_rollouts
 from flywheel.sandbox import isolation_report
 from flywheel.store import NewEvent
-from flywheel.synth import run_synth
-from flywheel.train.demos import train_split_demonstrations
-from flywheel.train.stage import choose_mode, train_grpo, train_sft
+from flywheel.train.stage import choose_mode
 
 # The resources of the running cycle (one writer connection per process): set by the flow, read by
 # its tasks. Tasks get only plain values as parameters so Prefect can record and hash them.
@@ -101,110 +93,74 @@ def _res() -> CycleResources:
 # --------------------------------------------------------------------------------------------- tasks
 
 
+def _stage(stage: str, key: str, correlation_id: str, **args: Any) -> dict:
+    """Run one stage's body (:mod:`flywheel.flows.stages`): in this process, or on its work pool when
+    ``cycle.pools`` maps it to one (:mod:`flywheel.flows.pools`)."""
+    r = _res()
+    pool = r.cfg.cycle.pools.get(stage)
+    if pool is None:
+        return STAGES[stage](r, _report_info, correlation_id=correlation_id, **args)
+    from flywheel.flows.pools import run_on_pool
+
+    if stage == "ingest":  # the trace files travel as artifacts: the worker has no access to this disk
+        args = {"files": [{**r.artifacts.put_file(p).to_dict(), "name": Path(p).name} for p in args.pop("paths")]}
+    _report(stage, status="running", pool=pool)
+    return run_on_pool(r.cfg, r.store, stage, pool, key, args, correlation_id)
+
+
+def _report_info(stage: str, info: dict[str, Any]) -> None:
+    _report(stage, **info)
+
+
 @task(name="ingest", **STAGE)
 def ingest_stage(key: str, paths: list[str], correlation_id: str) -> dict:
-    r = _res()
-    _report("ingest", status="running", files=len(paths))
-    s = ingest_paths(r.cfg, r.store, r.artifacts, [Path(p) for p in paths], correlation_id=correlation_id)
-    return publish_stage("ingest", summarize(s))
+    return _stage("ingest", key, correlation_id, paths=paths)
 
 
 @task(name="evals", **STAGE)
 def evals_stage(key: str, correlation_id: str) -> dict:
-    r = _res()
-    return publish_stage("evals", summarize(build_evals(r.cfg, r.store, r.artifacts, correlation_id=correlation_id)))
+    return _stage("evals", key, correlation_id)
 
 
 @task(name="envs", **STAGE)
 def envs_stage(key: str, correlation_id: str) -> dict:
-    r = _res()
-    return publish_stage("envs", summarize(build_envs(r.cfg, r.store, r.artifacts, correlation_id=correlation_id)))
+    return _stage("envs", key, correlation_id)
 
 
 @task(name="synth", **STAGE)
 def synth_stage(key: str, correlation_id: str) -> dict:
-    r = _res()
-    return publish_stage("synth", summarize(run_synth(r.cfg, r.store, r.artifacts, env=r.cfg.cycle.train_env,
-                                                      correlation_id=correlation_id)))
+    return _stage("synth", key, correlation_id)
 
 
 @task(name="rollouts", **STAGE)
 def rollout_stage(key: str, policy: str, correlation_id: str) -> dict:
-    r = _res()
-    t0 = time.perf_counter()
-
-    def progress(p: dict) -> None:
-        _report("rollouts", status="running", policy=policy, **p)
-
-    s = run_rollouts(r.cfg, r.store, r.artifacts, r.tracker, policy=policy, correlation_id=correlation_id,
-                     progress=progress)
-    out = summarize(s)
-    out["wall_s"] = round(time.perf_counter() - t0, 2)
-    return publish_stage("rollouts", out)
+    return _stage("rollouts", key, correlation_id, policy=policy)
 
 
 @task(name="train-sft", **STAGE)
 def sft_stage(key: str, base: str, correlation_id: str) -> dict:
-    r = _res()
-    demos = train_split_demonstrations(r.cfg, r.store, r.artifacts)
-    if not demos:
-        return publish_stage("train-sft", {"skipped": "no demonstrations: no train task has a reference answer"})
-
-    def on_step(step: int, m: dict) -> None:
-        _report("train-sft", status="running", step=step, total=r.cfg.train.sft_steps, loss=m.get("loss"))
-
-    res = train_sft(r.cfg, r.store, r.artifacts, r.tracker, demos, base=base, on_step=on_step)
-    out = summarize(res)
-    out["demonstrations"] = len(demos)
-    out["history"] = [{"step": h.get("step"), "loss": h.get("loss")} for h in res.history]
-    return publish_stage("train-sft", out)
+    return _stage("train-sft", key, correlation_id, base=base)
 
 
 @task(name="train-grpo", **STAGE)
 def grpo_stage(key: str, rollout_ids: list[str], base: str, correlation_id: str) -> dict:
-    r = _res()
-
-    def on_step(step: int, m: dict) -> None:
-        _report("train-grpo", status="running", step=step, total=r.cfg.train.steps, loss=m.get("loss"),
-                reward=m.get("reward_mean"))
-
-    res = train_grpo(r.cfg, r.store, r.artifacts, r.tracker, rollout_ids, base=base, on_step=on_step)
-    out = summarize(res)
-    out["history"] = [{k: h.get(k) for k in ("step", "loss", "reward_mean", "kl", "clip_frac", "grad_norm")}
-                      for h in res.history]
-    return publish_stage("train-grpo", out)
+    return _stage("train-grpo", key, correlation_id, rollout_ids=rollout_ids, base=base)
 
 
 @task(name="learn", **STAGE)
 def learn_stage(key: str, base: str, correlation_id: str) -> dict:
-    """``train.mode = arms``: the learning stage of :mod:`flywheel.learn` (first pass, probe-aimed
-    synthesis, arms, choice on dev, fold-in)."""
-    from flywheel.learn import run_learning
-
-    r = _res()
-
-    def synthesize(plan: dict[str, int]) -> dict:
-        return summarize(run_synth(r.cfg, r.store, r.artifacts, env=r.cfg.cycle.train_env,
-                                   correlation_id=correlation_id, plan=plan))
-
-    res = run_learning(r.cfg, r.store, r.artifacts, r.tracker, base=base, correlation_id=correlation_id,
-                       progress=lambda stage, info: _report(stage, **info), synthesize=synthesize)
-    return publish_stage("learn", summarize(res))
+    """``train.mode = arms``: the learning stage of :mod:`flywheel.learn`."""
+    return _stage("learn", key, correlation_id, base=base)
 
 
 @task(name="gate", **STAGE)
 def gate_stage(key: str, model_version: int, correlation_id: str) -> dict:
-    r = _res()
-    _report("gate", status="running", model_version=model_version)
-    d = run_gate(r.cfg, r.store, r.artifacts, r.tracker, model_version, correlation_id=correlation_id)
-    return publish_stage("gate", summarize(d))
+    return _stage("gate", key, correlation_id, model_version=model_version)
 
 
 @task(name="deploy", **STAGE)
 def deploy_stage(key: str, model_version: int, gate_id: str, correlation_id: str) -> dict:
-    r = _res()
-    dep = promote(r.cfg, r.store, r.tracker, model_version, correlation_id=correlation_id)
-    return publish_stage("deploy", summarize(dep))
+    return _stage("deploy", key, correlation_id, model_version=model_version, gate_id=gate_id)
 
 
 # ---------------------------------------------------------------------------------------------- flow
@@ -249,6 +205,10 @@ def flywheel_cycle(
     global _R
 
     cfg = load_config(config_path, overrides)
+    if cfg.cycle.pools:
+        from flywheel.flows.pools import check_team_config
+
+        check_team_config(cfg)  # before anything is appended: a pooled stage needs the team's services
 
     def K(stage: str, **inputs: Any) -> str:  # cache keys are per home: two homes never share a result
         return inputs_key(stage, home=str(cfg.home), **inputs)

@@ -52,6 +52,7 @@ CATALOG: dict[str, EventType] = {
         EventType("adapter.unloaded", "serve", "an API call, or the served base model changing"),
         EventType("cycle.started", "cycle", "schedule or user"),
         EventType("cycle.completed", "cycle", "the stage outputs"),
+        EventType("stage.completed", "stage", "a cycle stage run on a work pool (cycle.pools): its summary, pool, worker"),
     ]
 }
 

@@ -59,6 +59,7 @@ ENTITY_KINDS = {
     "deploy": "a deployment history stream",
     "serve": "the runtime adapter history of a served model, serve:<model name>",
     "cycle": "one run of the flywheel cycle",
+    "stage": "one cycle stage run on a work pool, stage:<stage>-<inputs hash> (cycle.pools)",
 }
 
 MODEL_ALIASES = ("champion", "challenger")
