@@ -123,9 +123,9 @@ def _load_policy(cfg: FlywheelConfig) -> Policy:
     """The current policy for paraphrase / difficulty: the configured backend and base model."""
     try:
         if cfg.policy.backend == "openai":
-            if not cfg.policy.base_url:
+            if not cfg.policy.endpoints:
                 raise CliError("[policy] backend = 'openai' needs [policy] base_url")
-            return OpenAIPolicy(cfg.policy.base_url, cfg.policy.base_model, os.environ.get(cfg.policy.api_key_env),
+            return OpenAIPolicy(cfg.policy.endpoints, cfg.policy.base_model, os.environ.get(cfg.policy.api_key_env),
                                 cfg.policy.max_concurrency, cfg.policy.request_timeout_s)
         return HFPolicy.from_spec(cfg.policy.base_model, cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype)
     except (ImportError, OSError, ValueError, RuntimeError) as e:

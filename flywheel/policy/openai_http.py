@@ -10,6 +10,19 @@ header is honoured up to the cap). Everything else (400, 401, 404, 413, ...) rai
 :class:`PolicyRequestError` at once with the status and the server's body: retrying a bad request
 only hides it.
 
+Several endpoints (vLLM replicas; ``base_url`` a list): the rules are in
+:mod:`flywheel.policy.endpoints`. Each request goes to the endpoint with the fewest requests in flight
+(ties round-robin), at most ``max_concurrency`` in flight *per endpoint*. A server failure
+(connection refused/reset, timeout, HTTP 429/5xx) marks that server down for ``cooldown_s`` and sends
+the request to another one at once; a round tries every endpoint once, and ``max_retries`` further
+rounds follow with the same backoff as above. Only when every endpoint failed does it raise
+:class:`~flywheel.policy.endpoints.AllEndpointsFailedError` (a :class:`PolicyRequestError`, an infra
+error) naming each endpoint and its error. A 4xx about the request is raised at once, never retried
+elsewhere. :meth:`OpenAIPolicy.spread` runs whole *groups* the same way (the harness uses it, so a
+group of K samples is sampled on one server, and moves whole to another if that server fails).
+Every :class:`Sample` carries the endpoint that answered it in ``extra["endpoint"]``. With one
+endpoint everything is as it was: one server, ``max_retries`` retries on it.
+
 Prompt formatting (``prompt_format``):
 - ``"flywheel"`` (default): the client applies :func:`flywheel.policy.format.build_prompt_messages`
   (tool prompt in the system message, calls rendered as text) and turns tool turns into tagged
@@ -33,9 +46,11 @@ default, not the temperature-scaled one; ``flywheel serve``: the HF backend's de
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from flywheel.net import (
     BACKOFF_BASE_S,
@@ -51,21 +66,33 @@ from flywheel.policy.base import (
     coerce_params,
     per_prompt_tools,
 )
+from flywheel.policy.endpoints import (
+    DEFAULT_COOLDOWN_S,
+    AllEndpointsFailedError,
+    EndpointPool,
+    is_server_failure,
+    run_on_endpoints,
+)
 from flywheel.policy.format import build_prompt_messages, tool_turns_as_user
 
 if TYPE_CHECKING:
     import httpx
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 # This client's backoff base, read at each request (a test shortens it for this client alone).
 _BACKOFF_BASE_S = BACKOFF_BASE_S
 
 
 class OpenAIPolicy:
-    """A policy behind an OpenAI-compatible server. ``model`` is the served model (or LoRA) name."""
+    """A policy behind one or several OpenAI-compatible servers (``base_url``: one URL or a list of
+    them, each with or without ``/v1``). ``model`` is the served model (or LoRA) name."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         model: str,
         api_key: str | None = None,
         max_concurrency: int = 8,
@@ -75,6 +102,7 @@ class OpenAIPolicy:
         prompt_format: Literal["flywheel", "server"] = "flywheel",
         version: str | None = None,
         client: httpx.Client | None = None,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
     ) -> None:
         import httpx  # ~100 ms at import: paid by whoever makes a client, not by every importer
 
@@ -84,7 +112,11 @@ class OpenAIPolicy:
             raise ValueError(f"max_retries must be >= 0 (got {max_retries})")
         if prompt_format not in ("flywheel", "server"):
             raise ValueError(f"prompt_format must be 'flywheel' or 'server' (got {prompt_format!r})")
-        self.base_url = openai_base_url(base_url)
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("base_url: give at least one endpoint")
+        self.endpoints = list(dict.fromkeys(openai_base_url(u) for u in urls))
+        self.base_url = self.endpoints[0]
         self.model = model
         self.name = model
         self.version = version or model
@@ -92,14 +124,29 @@ class OpenAIPolicy:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.prompt_format = prompt_format
+        self._pool = EndpointPool(self.endpoints, cooldown_s=cooldown_s)
+        # One endpoint: the client's base_url is it and requests use paths (as always). Several: one
+        # client (pooling per origin), absolute URLs.
+        self._absolute = len(self.endpoints) > 1
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._own_client = client is None
-        self._client = client or httpx.Client(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
-        )
+        if client is not None:
+            self._client = client
+        elif not self._absolute:
+            self._client = httpx.Client(
+                base_url=self.base_url,
+                headers=headers,
+                timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+                limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
+            )
+        else:
+            conns = max_concurrency * len(self.endpoints)
+            self._client = httpx.Client(
+                headers=headers,
+                # waiting for a pooled connection is not a server failure: no pool timeout
+                timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s), pool=None),
+                limits=httpx.Limits(max_connections=conns, max_keepalive_connections=conns),
+            )
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -112,27 +159,109 @@ class OpenAIPolicy:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def for_model(self, model: str) -> OpenAIPolicy:
-        """The same server and connection pool, sampling from ``model`` (e.g. a LoRA name)."""
+    def _view(self) -> OpenAIPolicy:
         other = OpenAIPolicy.__new__(OpenAIPolicy)
         other.__dict__.update(self.__dict__)
-        other.model = other.name = other.version = model
+        other.endpoints = list(self.endpoints)
         other._own_client = False
         return other
+
+    def for_model(self, model: str) -> OpenAIPolicy:
+        """The same servers and connection pool, sampling from ``model`` (e.g. a LoRA name)."""
+        other = self._view()
+        other.model = other.name = other.version = model
+        return other
+
+    def on_endpoint(self, url: str) -> OpenAIPolicy:
+        """This policy on one of its endpoints alone, one attempt per request (no retry, no failover:
+        that is the caller's, e.g. :meth:`spread`). Same client, model and prompt format."""
+        if url not in self.endpoints:
+            raise ValueError(f"{url} is not one of this policy's endpoints {self.endpoints}")
+        other = self._view()
+        other.endpoints, other.base_url, other._absolute, other.max_retries = [url], url, True, 0
+        return other
+
+    @property
+    def endpoint_pool(self) -> EndpointPool:
+        """In-flight counts, cool-downs and per-endpoint answer/failure counters."""
+        return self._pool
 
     # ------------------------------------------------------------------ HTTP
     def request(self, method: str, path: str, json_body: dict | None = None) -> Any:
         """Send one request with the retry policy; returns the decoded JSON (or text) body. Raises
-        :class:`PolicyRequestError` (status None: no response) when the request failed for good."""
+        :class:`PolicyRequestError` (status None: no response) when the request failed for good (with
+        several endpoints: :class:`~flywheel.policy.endpoints.AllEndpointsFailedError`, every one failed)."""
+        return self.request_on_any(method, path, json_body)[0]
+
+    def request_on_any(self, method: str, path: str, json_body: dict | None = None) -> tuple[Any, str]:
+        """:meth:`request`, and the endpoint that answered."""
+        if len(self.endpoints) == 1:
+            url = self.endpoints[0] + path if self._absolute else path
+            return self._send(method, url, json_body, self.max_retries), self.endpoints[0]
+        return run_on_endpoints(self._pool, lambda u: self._send(method, u + path, json_body, 0),
+                                what=f"{method} {path}", rounds=self.max_retries + 1, backoff_base_s=_BACKOFF_BASE_S)
+
+    def _send(self, method: str, url: str, json_body: dict | None, max_retries: int) -> Any:
         try:
-            resp = request_with_retries(self._client, method, path, json_body=json_body,
-                                        max_retries=self.max_retries, backoff_base_s=_BACKOFF_BASE_S)
+            resp = request_with_retries(self._client, method, url, json_body=json_body,
+                                        max_retries=max_retries, backoff_base_s=_BACKOFF_BASE_S)
         except HTTPRequestError as e:
             raise PolicyRequestError(str(e), status=e.status, body=e.body) from None
         try:
             return resp.json()
         except ValueError:
             return resp.text
+
+    def spread(self, items: Sequence[T], fn: Callable[[T, OpenAIPolicy], R], *,
+               describe: Callable[[T], str] | None = None) -> list[R]:
+        """``fn(item, policy)`` for every item, concurrently, each on **one** endpoint (``policy`` is
+        :meth:`on_endpoint` of it); results in item order. A server failure inside ``fn`` retries the
+        item whole on another endpoint (the rules of :func:`~flywheel.policy.endpoints.run_on_endpoints`,
+        ``max_retries + 1`` rounds), so each item's result comes from exactly one endpoint. At most
+        ``max_concurrency`` items per endpoint run at once. The first item that fails for good (or
+        fails otherwise) is raised, and items not yet started are cancelled."""
+        items = list(items)
+
+        def run(i: int) -> R:
+            what = describe(items[i]) if describe else f"item {i + 1} of {len(items)}"
+            res, _ = run_on_endpoints(self._pool, lambda u: fn(items[i], self.on_endpoint(u)), what=what,
+                                      rounds=self.max_retries + 1, backoff_base_s=_BACKOFF_BASE_S)
+            return res
+
+        if len(items) <= 1:
+            return [run(i) for i in range(len(items))]
+        ex = ThreadPoolExecutor(max_workers=min(len(items), self.max_concurrency * len(self.endpoints)))
+        try:
+            futures = [ex.submit(run, i) for i in range(len(items))]
+            return [f.result() for f in futures]
+        finally:
+            ex.shutdown(wait=True, cancel_futures=True)
+
+    def _broadcast(self, method: str, path: str, json_body: dict | None = None) -> dict[str, Any]:
+        """The same request to every endpoint (each with ``max_retries`` retries); answers by endpoint.
+        Endpoints that failed (server failures) are dropped from this policy, since they lack what the
+        others now have; a 4xx is raised at once; :class:`AllEndpointsFailedError` if none answered."""
+        if len(self.endpoints) == 1:
+            return {self.endpoints[0]: self.request(method, path, json_body)}
+        out: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        statuses: dict[str, int | None] = {}
+        for u in self.endpoints:
+            try:
+                out[u] = self._send(method, u + path, json_body, self.max_retries)
+            except PolicyRequestError as e:
+                if not is_server_failure(e):
+                    raise
+                errors[u], statuses[u] = str(e), e.status
+                self._pool.mark_down(u)
+        if not out:
+            raise AllEndpointsFailedError(f"{method} {path}", errors, statuses, self.max_retries + 1)
+        if errors:
+            log.warning("%s %s failed on %s: sampling from %s only", method, path, ", ".join(errors), ", ".join(out))
+            self.endpoints = [u for u in self.endpoints if u in out]
+            self.base_url = self.endpoints[0]
+            self._pool = EndpointPool(self.endpoints, cooldown_s=self._pool.cooldown_s)
+        return out
 
     # ------------------------------------------------------------------ policy
     def _messages(self, messages: list[dict], tools: list[dict]) -> list[dict]:
@@ -173,21 +302,28 @@ class OpenAIPolicy:
 
         def one(body: dict) -> list[Sample]:
             t0 = time.perf_counter()
-            data = self.request("POST", CHAT_COMPLETIONS_PATH, body)
-            return parse_chat_response(data, expected_n=p.n, gen_ms=(time.perf_counter() - t0) * 1000.0)
+            data, endpoint = self.request_on_any("POST", CHAT_COMPLETIONS_PATH, body)
+            samples = parse_chat_response(data, expected_n=p.n, gen_ms=(time.perf_counter() - t0) * 1000.0)
+            for s in samples:
+                s.extra["endpoint"] = endpoint
+            return samples
 
         if len(bodies) == 1:
             return [one(bodies[0])]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(bodies))) as pool:
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency * len(self.endpoints), len(bodies))) as pool:
             return list(pool.map(one, bodies))
 
     def load_lora_adapter(self, name: str, path: str) -> Any:
         """vLLM's runtime endpoint (needs ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` on vLLM).
-        ``path`` is read by the *server*, so it must be a path on the server's file system."""
-        return self.request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        ``path`` is read by the *server*, so it must be a path on the server's file system. With several
+        endpoints it is loaded on each (``path`` on storage they share) and the answers come back by
+        endpoint; one that could not load it is dropped from this policy (see :meth:`_broadcast`)."""
+        out = self._broadcast("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        return next(iter(out.values())) if len(out) == 1 else out
 
     def unload_lora_adapter(self, name: str) -> Any:
-        return self.request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        out = self._broadcast("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        return next(iter(out.values())) if len(out) == 1 else out
 
     def models(self) -> list[str]:
         data = self.request("GET", "/v1/models")

@@ -135,7 +135,7 @@ def load_policy_for_version(cfg: FlywheelConfig, tracker: Tracker, name: str, ve
     return HFPolicy.from_spec(str(files.directory), home=cfg.home, **common)
 
 
-def _openai(cfg: FlywheelConfig, url: str, model: str) -> Any:
+def _openai(cfg: FlywheelConfig, url: str | list[str], model: str) -> Any:
     return OpenAIPolicy(url, model=model, api_key=os.environ.get(cfg.policy.api_key_env),
                         max_concurrency=cfg.policy.max_concurrency, timeout_s=cfg.policy.request_timeout_s)
 
@@ -155,12 +155,13 @@ class ResolvedPolicy:
 
 
 def _served(cfg: FlywheelConfig, tracker: Tracker, m: ResolvedModel) -> ResolvedPolicy:
-    """``policy.backend = "openai"``: sample from the OpenAI-compatible server at ``policy.base_url``
-    (vLLM in the team deployment). The champion is the served model ``<name>``; any other version must
-    be a LoRA adapter, hot-loaded as ``<name>-<version>`` through the runtime adapter endpoint."""
-    if not cfg.policy.base_url:
+    """``policy.backend = "openai"``: sample from the OpenAI-compatible server(s) at ``policy.base_url``
+    (vLLM in the team deployment; several endpoints share the work, :mod:`flywheel.policy.endpoints`).
+    The champion is the served model ``<name>``; any other version must be a LoRA adapter, hot-loaded
+    as ``<name>-<version>`` through the runtime adapter endpoint of every server."""
+    if not cfg.policy.endpoints:
         raise ModelRefError("policy.backend is 'openai' but policy.base_url is not set")
-    pol = _openai(cfg, cfg.policy.base_url, m.name)  # type: ignore[arg-type]
+    pol = _openai(cfg, cfg.policy.endpoints, m.name)  # type: ignore[arg-type]
     if tracker.get_alias_version(m.name, "champion") == m.version:
         return ResolvedPolicy(pol, m.ref, m.ref)
     files = version_files(cfg, tracker, m.name, m.version)  # type: ignore[arg-type]
