@@ -404,6 +404,10 @@ def evaluate_model(
         "reused_items": len(tasks) - len(todo),
         "reused_from": prior_sources[:20] if len(todo) < len(tasks) else [],
     }
+    served_by = {str(_get(tasks[i], "task_id")): eps[0].endpoint for i, eps in zip(todo, episodes, strict=True)
+                 if eps and getattr(eps[0], "endpoint", None)}
+    if served_by:  # several inference servers: which one answered each item (not part of the items' hash)
+        payload["served_by"] = served_by
     causation = [c for c in (ref.entity_id, suite_id) if c]
     store.append(evaluation_id, NewEvent("eval.completed", payload, causation), correlation_id=correlation_id)
     return result

@@ -19,6 +19,12 @@ Guarantees
   So are samples whose verdict is not training data (``Verdict.not_for_training``: a weak sandbox the
   candidate could have forged); their ``infra_error`` column says ``not for training: <why>`` and the
   stats count them as ``untrainable``.
+- Several inference servers (``policy.base_url`` a list): each group is sampled whole on one server
+  and moves whole to another if that server fails mid-group (:mod:`flywheel.envs.harness`), so the
+  dataset holds every group exactly once. Which server sampled each published group is recorded in
+  the event payload, ``served_by`` (task id -> endpoint), with ``stats.endpoints`` (groups per
+  endpoint); it is deliberately not a Parquet column, so the dataset's content hash (its artifact)
+  does not depend on which replica happened to answer.
 - Zero-variance groups (all K rewards equal) carry no GRPO signal: their share is reported, and
   ``rollout.dynamic_sampling = "drop"`` removes them from the dataset (DAPO's dynamic sampling, without
   the resampling loop).
@@ -29,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -165,6 +172,19 @@ def episodes_to_table(
     return table, stats
 
 
+def served_by_group(tasks: list[dict], groups: list[list[Any]], published: set[str]) -> dict[str, str]:
+    """task id -> the endpoint that sampled its group, for the published groups sampled over HTTP
+    (empty for in-process backends). A group's episodes share one endpoint (see the harness); should
+    they not, the one that sampled most of them is named."""
+    out: dict[str, str] = {}
+    for task, eps in zip(tasks, groups, strict=True):
+        tid = str(task["task_id"])
+        named = [e.endpoint for e in eps if getattr(e, "endpoint", None)]
+        if tid in published and named:
+            out[tid] = Counter(named).most_common(1)[0][0]
+    return out
+
+
 def validate_rollouts(table: pa.Table, group_size: int) -> tuple[bool, list[dict[str, Any]]]:
     """Run the ``rollouts`` GX suite over the dataset (pandas at the boundary)."""
     import pyarrow.compute as pc
@@ -242,6 +262,9 @@ def run_rollouts(
                       "elapsed_s": time.perf_counter() - t0})
     table, stats = episodes_to_table(env_obj.entity_id, resolved.ref, tasks, groups,
                                      advantage=rc.advantage, dynamic_sampling=rc.dynamic_sampling)
+    served_by = served_by_group(tasks, groups, set(table.column("task_id").to_pylist()))
+    if served_by:
+        stats["endpoints"] = dict(sorted(Counter(served_by.values()).items()))
     stats["wall_s"] = time.perf_counter() - t0
     if table.num_rows == 0:
         return RolloutSummary(rid, env_obj.entity_id, resolved.ref, len(tasks), 0, None, stats,
@@ -263,6 +286,8 @@ def run_rollouts(
         "params": params_dict,
         "stats": {k2: (round(v, 6) if isinstance(v, float) else v) for k2, v in stats.items() if k2 != "wall_s"},
     }
+    if served_by:
+        payload["served_by"] = served_by
     store.append(rid, [NewEvent("rollouts.published", payload, causation)], expected_version=0,
                  correlation_id=correlation_id)
     return RolloutSummary(rid, env_obj.entity_id, resolved.ref, len(tasks), table.num_rows, ref.to_dict(), stats)

@@ -12,6 +12,7 @@ from flywheel.cli.common import (
     emit_json,
     handle_errors,
     load,
+    out,
     print_table,
     progress,
 )
@@ -71,5 +72,7 @@ def rollout(
           f"{st.get('pass_at_k', 0):.3f}", f"{st.get('zero_variance_share', 0):.0%}", st.get("tokens"),
           f"{st.get('tokens_per_s', 0):.1f}")],
     )
+    if len(st.get("endpoints") or {}) > 1:
+        out.print("served by " + ", ".join(f"{u} ({n} groups)" for u, n in st["endpoints"].items()))
     if not s.published:
         raise CliError(f"nothing published: {s.reason}")

@@ -37,6 +37,14 @@ backend). With any other policy (an HTTP server), later turns are generated from
 token ids and masks are then only as good as what the backend returns, and ``Episode.exact_tokens``
 is False.
 
+Several servers
+---------------
+A policy with several endpoints (the OpenAI-compatible backend with a list of ``base_url`` s: it has
+``endpoints`` and ``spread``) samples each *group* (the ``n`` episodes of one task, every turn) on one
+server, groups spread over the servers by ``spread``; a server failure mid-group resamples the whole
+group on another server, so each group comes from exactly one server and appears once.
+``Episode.endpoint`` names it (None for in-process backends).
+
 Verification
 ------------
 ``verify_task(task, trajectory, context)`` applies the task's verifier spec
@@ -90,6 +98,7 @@ class Episode:
     tool_calls: int = 0
     observations: list[dict] = field(default_factory=list)  # {name, source, raised} per call
     exact_tokens: bool = True
+    endpoint: str | None = None  # the server that sampled it (HTTP backends), else None
 
     @property
     def reward(self) -> float:
@@ -119,6 +128,7 @@ class _State:
     observations: list[dict] = field(default_factory=list)
     exact: bool = True
     env: ToolEnv | None = None
+    endpoint: str | None = None
 
 
 # ------------------------------------------------------------------------------ context helpers
@@ -214,6 +224,8 @@ def _env_segment(tokenizer: Any, history: list[dict], tools: list[dict], tool_ms
 
 
 def _add_model_turn(st: _State, sample: Any) -> None:
+    if st.endpoint is None:
+        st.endpoint = (getattr(sample, "extra", None) or {}).get("endpoint")
     st.completion_ids.extend(sample.completion_token_ids)
     lp = list(sample.logprobs) if sample.logprobs else [0.0] * len(sample.completion_token_ids)
     if len(lp) != len(sample.completion_token_ids):
@@ -289,10 +301,23 @@ def run_episodes(tasks: list[dict], policy: Any, params: Any, *, context: Any = 
         if t.get("harness") not in ("single_turn", "tool_loop"):
             raise ValueError(f"task {t.get('task_id')}: unknown harness {t.get('harness')!r}")
     max_turns = _max_turns(context)
+    sandbox_cfg = _sandbox_cfg(context)
+    spread = getattr(policy, "spread", None)
+    if callable(spread) and len(getattr(policy, "endpoints", None) or ()) > 1:
+        # Several servers: each group (task) is sampled whole on one of them, and moves whole to
+        # another if that one fails mid-group (the policy's spread); verification runs below, once.
+        rows = spread(tasks, lambda t, pol: _sample([t], pol, params, max_turns, sandbox_cfg)[0],
+                      describe=lambda t: f"the group of task {t.get('task_id')}")
+    else:
+        rows = _sample(tasks, policy, params, max_turns, sandbox_cfg)
+    return _verify(rows, context)
+
+
+def _sample(tasks: list[dict], policy: Any, params: Any, max_turns: int, sandbox_cfg: Any) -> list[list[_State]]:
+    """Generate every task's ``params.n`` episodes (all turns) with ``policy``; not yet verified."""
     tokenizer = getattr(policy, "tokenizer", None)
     from_ids = callable(getattr(policy, "generate_from_ids", None)) and tokenizer is not None
     ctx_limit = _ctx_limit(policy)
-    sandbox_cfg = _sandbox_cfg(context)
 
     first = policy.generate(
         [t["prompt"]["messages"] for t in tasks], params, tools=[t["prompt"].get("tools") or [] for t in tasks]
@@ -332,7 +357,11 @@ def run_episodes(tasks: list[dict], policy: Any, params: Any, *, context: Any = 
             s = samples[0]
             _add_model_turn(st, s)
             _step_env(st, s, max_turns, tokenizer, ctx_limit, params.max_new_tokens)
+    return states
 
+
+def _verify(states: list[list[_State]], context: Any) -> list[list[Episode]]:
+    """Score every sampled episode (a thread pool, see the module docstring) into :class:`Episode` s."""
     flat = [st for row in states for st in row]
     workers = int((_ctx_get(context, "verify_workers", 4) if isinstance(context, dict) else 4) or 1)
 
@@ -376,6 +405,7 @@ def run_episodes(tasks: list[dict], policy: Any, params: Any, *, context: Any = 
                     tool_calls=st.n_calls,
                     observations=st.observations,
                     exact_tokens=st.exact,
+                    endpoint=st.endpoint,
                 )
             )
         result.append(eps)
