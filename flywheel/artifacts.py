@@ -14,7 +14,20 @@ Guarantees
   file and both hashes. A corrupted artifact is never silently used.
 - Private: files are 0600 and directories 0700 (traces are user data).
 
-Not guaranteed: garbage collection of artifacts no event references (they are kept).
+Remote (``artifacts.url``, a team's store; backends in :mod:`flywheel.artifact_backends`): the remote is
+the source of truth and ``<home>/artifacts`` a hash-verified cache in front of it, so a worker with an
+empty home reads everything another worker wrote.
+- A put writes the local temp file as above, publishes it to the remote (atomically, per backend), and
+  only then renames it into the cache: a failed publish leaves nothing under the final name anywhere.
+- A put of content the remote already holds re-hashes the remote object first (stat, then one
+  streaming download without touching disk: the cost of a download of the object, paid only when the
+  same content is put again); a remote object whose size or hash is wrong is replaced.
+- A read that misses the cache, or finds a corrupt cached copy, downloads to a temp file while hashing,
+  and renames it into the cache only if it hashes to its name; otherwise it raises
+  :class:`ArtifactCorruptError` naming the remote object and both hashes, and caches nothing.
+- ``exists`` and ``find`` consult the remote after the cache; ``find``/``verify`` return cached paths.
+
+Not guaranteed: garbage collection of artifacts no event references (they are kept), locally or remotely.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from flywheel.artifact_backends import ArtifactError, ArtifactRemoteError, RemoteBackend, backend_from_url
 from flywheel.vocab.ids import sha256_file
 
 if TYPE_CHECKING:  # annotations only: config and artifacts are independent core layers (pyproject)
@@ -44,8 +58,8 @@ _CHUNK = 1 << 20
 log = logging.getLogger(__name__)
 
 
-class ArtifactError(RuntimeError):
-    pass
+__all__ = ["ArtifactCorruptError", "ArtifactError", "ArtifactNotFound", "ArtifactRef", "ArtifactRemoteError",
+           "ArtifactStore", "load_traces", "open_artifacts"]
 
 
 class ArtifactCorruptError(ArtifactError):
@@ -84,28 +98,53 @@ def fsync_dir(path: Path) -> None:
 
 
 class ArtifactStore:
-    def __init__(self, root: str | os.PathLike[str]):
+    """The store under ``root``; with ``remote``, ``root`` is the cache of that remote (module docstring)."""
+
+    def __init__(self, root: str | os.PathLike[str], remote: RemoteBackend | None = None):
         self.root = Path(root)
         self.objects = self.root / "sha256"
+        self.remote = remote
+
+    def describe(self) -> dict[str, Any]:
+        """Where artifacts live, for ``flywheel status``: ``{"kind": "local" | "file" | "s3" | "gs" | "az" |
+        "memory" | "mlflow-artifacts", "url": the remote URL without credentials (None when local),
+        "local": this directory, "local_role": "store" | "cache"}`` (+ ``"server"`` for the MLflow proxy)."""
+        if self.remote is None:
+            return {"kind": "local", "url": None, "local": str(self.root), "local_role": "store"}
+        return {**self.remote.describe(), "local": str(self.root), "local_role": "cache"}
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
 
     # -- paths ---------------------------------------------------------------------------------
     def path(self, sha256: str, ext: str) -> Path:
         return self.objects / sha256[:2] / f"{sha256}.{ext}"
 
-    def find(self, sha256: str) -> Path:
+    @staticmethod
+    def key(sha256: str, ext: str) -> str:
+        """The object's key in a remote store (the local layout under ``root``)."""
+        return f"sha256/{sha256[:2]}/{sha256}.{ext}"
+
+    def _cached(self, sha256: str) -> Path | None:
         d = self.objects / sha256[:2]
         matches = sorted(d.glob(f"{sha256}.*")) if d.exists() else []
         matches = [m for m in matches if ".tmp-" not in m.name]
-        if not matches:
-            raise ArtifactNotFound(f"artifact {sha256} is not in {self.objects}")
-        return matches[0]
+        return matches[0] if matches else None
+
+    def find(self, sha256: str) -> Path:
+        """The local file of the artifact (not re-hashed: :meth:`verify` does that), fetched into the
+        cache from the remote when it is not here."""
+        if (p := self._cached(sha256)) is not None:
+            return p
+        if self.remote is not None:
+            return self._fetch(sha256)
+        raise ArtifactNotFound(f"artifact {sha256} is not in {self.objects}")
 
     def exists(self, sha256: str) -> bool:
-        try:
-            self.find(sha256)
+        if self._cached(sha256) is not None:
             return True
-        except ArtifactNotFound:
-            return False
+        return self.remote is not None and self.remote.find(f"sha256/{sha256[:2]}", sha256) is not None
 
     def _tmp(self) -> Path:
         self.objects.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -118,8 +157,68 @@ class ArtifactStore:
         except OSError:
             return False
 
+    # -- the remote ----------------------------------------------------------------------------
+    def _fetch(self, sha256: str) -> Path:
+        """Download the remote object into the cache, hashing as it streams; corrupt bytes are never cached."""
+        assert self.remote is not None
+        hit = self.remote.find(f"sha256/{sha256[:2]}", sha256)
+        if hit is None:
+            raise ArtifactNotFound(f"artifact {sha256} is neither in {self.objects} nor in the remote store "
+                                   f"{self.remote.object_url(f'sha256/{sha256[:2]}/')}")
+        key = hit[0]
+        ext = key.rsplit("/", 1)[-1][len(sha256) + 1:]
+        tmp = self._tmp()
+        h = hashlib.sha256()
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in self.remote.chunks(key):
+                    h.update(chunk)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            if (actual := h.hexdigest()) != sha256:
+                raise ArtifactCorruptError(
+                    f"remote artifact {self.remote.object_url(key)} is corrupted: its content hashes to {actual}, "
+                    f"not {sha256}. It was not cached; re-run the stage that produced it (putting the same content "
+                    f"again replaces the remote object).")
+            final = self.path(sha256, ext)
+            final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(final.parent)
+        return final
+
+    def _remote_intact(self, key: str, sha256: str) -> bool:
+        assert self.remote is not None
+        h = hashlib.sha256()
+        for chunk in self.remote.chunks(key):
+            h.update(chunk)
+        return h.hexdigest() == sha256
+
+    def _publish(self, src: Path, sha256: str, ext: str) -> None:
+        """Make the remote hold ``src`` (complete, hashing to ``sha256``) under its key: nothing to do if
+        it already holds an intact copy (stat + one streaming re-hash), else upload (replacing a corrupt one)."""
+        assert self.remote is not None
+        key = self.key(sha256, ext)
+        size = self.remote.stat(key)
+        if size is not None:
+            if size == src.stat().st_size and self._remote_intact(key, sha256):
+                return
+            log.warning("remote artifact %s was corrupted (it no longer hashed to its name); replaced by the copy "
+                        "just written", self.remote.object_url(key))
+        self.remote.upload(src, key)
+
     def _commit(self, tmp: Path, sha256: str, ext: str) -> Path:
         final = self.path(sha256, ext)
+        if self.remote is not None:
+            try:  # published before it is visible here: a failed publish leaves no cached copy either
+                self._publish(tmp, sha256, ext)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self._intact(final, sha256):
             tmp.unlink()
@@ -135,7 +234,9 @@ class ArtifactStore:
     # -- writing -------------------------------------------------------------------------------
     def put_bytes(self, data: bytes, ext: str = "bin") -> ArtifactRef:
         sha = hashlib.sha256(data).hexdigest()
-        if self._intact(self.path(sha, ext), sha):
+        if self._intact(cached := self.path(sha, ext), sha):
+            if self.remote is not None:
+                self._publish(cached, sha, ext)
             return ArtifactRef(sha, ext, len(data))
         tmp = self._tmp()
         with open(tmp, "wb") as f:
@@ -212,9 +313,16 @@ class ArtifactStore:
         return ArtifactRef(sha, "tar", self.path(sha, "tar").stat().st_size)
 
     # -- reading -------------------------------------------------------------------------------
+    def _refetch(self, p: Path, actual: str) -> Path:
+        assert self.remote is not None
+        log.warning("cached artifact %s is corrupted (it hashes to %s); fetching it again from the remote store", p, actual)
+        return self._fetch(p.name.split(".", 1)[0])
+
     def verify(self, sha256: str) -> Path:
         p = self.find(sha256)
         actual = sha256_file(p)
+        if actual != sha256 and self.remote is not None:
+            return self._refetch(p, actual)  # hashed while it downloads
         if actual != sha256:
             raise ArtifactCorruptError(
                 f"artifact {p} is corrupted: its content hashes to {actual}, not {sha256}. "
@@ -226,6 +334,10 @@ class ArtifactStore:
         p = self.find(sha256)
         data = p.read_bytes()
         actual = hashlib.sha256(data).hexdigest()
+        if actual != sha256 and self.remote is not None:
+            p = self._refetch(p, actual)
+            data = p.read_bytes()
+            actual = hashlib.sha256(data).hexdigest()
         if actual != sha256:
             raise ArtifactCorruptError(
                 f"artifact {p} is corrupted: its content hashes to {actual}, not {sha256}."
@@ -306,5 +418,9 @@ def load_traces(artifacts: ArtifactStore, payloads: list[dict[str, Any]]) -> lis
 
 
 def open_artifacts(cfg: FlywheelConfig) -> ArtifactStore:
+    """The store of ``cfg``: ``<home>/artifacts`` alone, or the cache of ``artifacts.url`` (built lazily:
+    nothing is reached until the first put or cache miss; the MLflow proxy is the server at
+    ``mlflow_tracking_uri``)."""
     cfg.ensure_home()
-    return ArtifactStore(cfg.artifacts_dir)
+    return ArtifactStore(cfg.artifacts_dir,
+                         remote=backend_from_url(cfg.artifacts.url, tracking_uri=cfg.mlflow_tracking_uri))
