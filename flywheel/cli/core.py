@@ -119,6 +119,31 @@ def _bootstrap_champion(cfg: FlywheelConfig, store: EventStore) -> dict[str, Any
     return {"model": f"model:{name}/{version}", "created": created, "reason": None}
 
 
+def _artifact_store(cfg) -> dict:
+    """What ``ArtifactStore.describe()`` says (nothing is reached: remotes open on first use); a URL the
+    backend cannot take is shown with its error rather than failing the whole status."""
+    from flywheel.artifact_backends import redact_url
+    from flywheel.artifacts import ArtifactError, open_artifacts
+
+    try:
+        arts = open_artifacts(cfg)
+    except ArtifactError as e:
+        url = cfg.artifacts.url
+        return {"kind": url.split(":", 1)[0], "url": redact_url(url), "local": str(cfg.artifacts_dir),
+                "local_role": "cache", "error": str(e)}
+    try:
+        return arts.describe()
+    finally:
+        arts.close()
+
+
+def _artifact_store_line(d: dict) -> str:
+    if d["url"] is None:
+        return "local (this home only: the embedded default)"
+    line = f"{d['kind']} {d['url']}" + (f" at {d['server']}" if d.get("server") else "") + " (artifacts: its cache)"
+    return line + (f"; error: {d['error']}" if d.get("error") else "")
+
+
 @handle_errors
 def status(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt,
            last: int = typer.Option(10, help="How many recent events to show.")) -> None:
@@ -127,6 +152,7 @@ def status(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt
     from flywheel.store import open_store  # duckdb, ~0.5 s: off the CLI's start
 
     cfg = load(home, config)
+    artifact_store = _artifact_store(cfg)
     with open_store(cfg) as s:
         counts = s.counts_by_kind()
         recent = s.read(limit=last, newest_first=True)
@@ -136,6 +162,7 @@ def status(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt
         "home": str(cfg.home),
         "warehouse": where,
         "artifacts": str(cfg.artifacts_dir),
+        "artifact_store": artifact_store,
         "mlflow_tracking_uri": cfg.mlflow_tracking_uri,
         "events": n_events,
         "entities": counts,
@@ -147,7 +174,9 @@ def status(home: str = HomeOpt, config: str = ConfigOpt, as_json: bool = JsonOpt
     if as_json:
         emit_json(data)
         return
-    print_table("paths", ["what", "where"], [(k, data[k]) for k in ("home", "warehouse", "artifacts", "mlflow_tracking_uri")])
+    rows = [(k, data[k]) for k in ("home", "warehouse", "artifacts", "mlflow_tracking_uri")]
+    rows.insert(3, ("artifact store", _artifact_store_line(artifact_store)))
+    print_table("paths", ["what", "where"], rows)
     print_table(f"entities ({n_events} events)", ["kind", "count"], sorted(counts.items()))
     print_table("recent events", ["seq", "type", "stream", "recorded at"],
                 [(e["seq"], e["type"], e["stream"], e["recorded_at"][:19]) for e in data["recent_events"]])

@@ -118,3 +118,19 @@ def test_init_without_a_local_base_model_says_why_and_succeeds(home, tmp_path, m
     info = run_json("init")
     assert info["champion"]["model"] is None and "missing-model" in info["champion"]["reason"]
     assert info["events"] == 0
+
+
+def test_status_names_the_artifact_store(seeded, home, monkeypatch):
+    data = run_json("status")
+    assert data["artifact_store"] == {"kind": "local", "url": None, "local": str(home / "artifacts"),
+                                      "local_role": "store"}
+    # a team's store: shown without its credentials, and not reached (no network for a status)
+    monkeypatch.setenv("FLYWHEEL_ARTIFACTS__URL", "s3://AKID:SECRET@team-bucket/flywheel?region=eu-west-1")
+    data = run_json("status")
+    assert data["artifact_store"] == {"kind": "s3", "url": "s3://team-bucket/flywheel?region=eu-west-1",
+                                      "local": str(home / "artifacts"), "local_role": "cache"}
+    assert "SECRET" not in run("status").stdout and "s3://team-bucket/flywheel" in run("status").stdout
+    # the MLflow proxy needs an HTTP tracking server: the status says so instead of failing
+    monkeypatch.setenv("FLYWHEEL_ARTIFACTS__URL", "mlflow-artifacts:/team")
+    d = run_json("status")["artifact_store"]
+    assert d["kind"] == "mlflow-artifacts" and "mlflow_tracking_uri" in d["error"]
