@@ -319,6 +319,8 @@ class ArtifactStore:
         return self._fetch(p.name.split(".", 1)[0])
 
     def verify(self, sha256: str) -> Path:
+        if self._cached(sha256) is None and self.remote is not None:
+            return self._fetch(sha256)  # hashed while it downloads
         p = self.find(sha256)
         actual = sha256_file(p)
         if actual != sha256 and self.remote is not None:
@@ -331,6 +333,8 @@ class ArtifactStore:
         return p
 
     def read_bytes(self, sha256: str) -> bytes:
+        if self._cached(sha256) is None and self.remote is not None:
+            return self._fetch(sha256).read_bytes()  # hashed while it downloaded
         p = self.find(sha256)
         data = p.read_bytes()
         actual = hashlib.sha256(data).hexdigest()
