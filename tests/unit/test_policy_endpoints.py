@@ -171,6 +171,8 @@ class Fleet:
         if m != "ok":
             return httpx.Response(int(m), json={"error": {"message": f"status {m}"}})
         body = json.loads(request.content)
+        if "lora_name" in body:
+            return httpx.Response(200, text=f"loaded {body['lora_name']}")
         return httpx.Response(200, json=_completion(body["n"], f"from {host}"))
 
     def policy(self, urls=(A, B), **kw):
@@ -273,3 +275,34 @@ def test_the_harness_samples_each_group_on_one_server_and_only_once():
     served = [g[0].endpoint for g in groups]
     assert served.count(A) == 2 and served.count(B) == 4
     assert fleet.calls.count("a") == 3  # two answers, then one refused request, moved to b
+
+
+def test_an_adapter_is_loaded_on_every_endpoint_and_a_server_that_missed_it_is_dropped():
+    fleet = Fleet(b="down")
+    pol = fleet.policy(urls=(A, B, C), max_retries=0)
+    out = pol.load_lora_adapter("policy-3", "/shared/adapters/3")
+    assert set(out) == {A, C} and fleet.calls == ["a", "b", "c"]
+    assert pol.endpoints == [A, C]  # b would answer 404 for the adapter: not asked to sample it
+    fleet.calls.clear()
+    groups = pol.for_model("policy-3").generate([CHAT] * 4, 1)
+    assert {g[0].extra["endpoint"] for g in groups} == {A, C} and "b" not in fleet.calls
+
+    fleet = Fleet(a=400)
+    with pytest.raises(PolicyRequestError) as e:
+        fleet.policy().load_lora_adapter("x", "/nowhere")
+    assert e.value.status == 400
+
+
+def test_the_configured_endpoints_reach_the_backend(monkeypatch, tmp_path):
+    from flywheel.config import load_config
+    from flywheel.policy.registry import _openai
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLYWHEEL_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FLYWHEEL_POLICY__BASE_URL", f"{A}/v1, {B}/v1/")
+    cfg = load_config()
+    pol = _openai(cfg, cfg.policy.endpoints, "m")
+    try:
+        assert pol.endpoints == [A, B] and pol.base_url == A
+    finally:
+        pol.close()
