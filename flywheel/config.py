@@ -219,7 +219,7 @@ class PolicyConfig(_Section):
         "float32, where the fold is exact to fp32 rounding (in bf16 it rounds W + s*BA to bf16 and changes greedy "
         "answers); always / never force it.",
     )
-    max_concurrency: int = Field(8, ge=1, description="Concurrent HTTP requests (openai backend).")
+    max_concurrency: int = Field(8, ge=1, description="Concurrent HTTP requests per endpoint (openai backend).")
 
     @field_validator("base_url")
     @classmethod
