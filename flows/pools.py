@@ -74,6 +74,8 @@ def stage_overrides(cfg: FlywheelConfig) -> dict[str, Any]:
     d = cfg.model_dump(mode="json")
     for k in _LOCAL_FIELDS:
         d.pop(k, None)
+    if not str(d.get("mlflow_tracking_uri", "")).startswith(("http://", "https://")):
+        d.pop("mlflow_tracking_uri", None)  # a file under this home (check_team_config refuses it for pools)
     d["cycle"] = {k: v for k, v in d["cycle"].items() if k != "pools"}
     return d
 
