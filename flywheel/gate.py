@@ -721,7 +721,12 @@ def _champion_ref(cfg: FlywheelConfig, tracker: Tracker, challenger_version: int
             raise GateError(f"model:{name}/{challenger_version} is already the champion; nothing to gate")
         return ModelRef.registered(name, int(v))
     tags = dict(getattr(tracker.model_version(name, challenger_version), "tags", {}) or {})
-    return ModelRef.base(tags.get("base_model") or cfg.policy.base_model)
+    base = tags.get("base_model") or cfg.policy.base_model
+    if base.startswith("model:"):  # trained from a registered full model: that version is the baseline
+        from flywheel.vocab.refs import parse_model_entity
+
+        return ModelRef.registered(*parse_model_entity(base))
+    return ModelRef.base(base)
 
 
 def _regression_summary(ch: Any, cp: Any | None, champion_present: bool) -> RegressionSummary:

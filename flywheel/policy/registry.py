@@ -119,9 +119,31 @@ def version_files(cfg: FlywheelConfig, tracker: Tracker, name: str, version: int
     if not (adapter_cfg.exists() or str(tags.get("adapter", "")).lower() in ("lora", "true")):
         return VersionFiles(d, False, None)
     base = tags.get("base_model")
+    if base and os.path.isabs(base) and not os.path.exists(base) and str(tags.get("base", "")).startswith("model:"):
+        # Recorded by an older trainer as a directory on the machine that trained it: the base's registry
+        # reference (the `base` tag) is what every machine can resolve.
+        base = tags["base"]
     if not base and adapter_cfg.exists():
         base = json.loads(adapter_cfg.read_text()).get("base_model_name_or_path")
-    return VersionFiles(d, True, base or cfg.policy.base_model)
+    return VersionFiles(d, True, local_base(cfg, tracker, base or cfg.policy.base_model, of=f"model:{name}/{version}"))
+
+
+def local_base(cfg: FlywheelConfig, tracker: Tracker, spec: str, *, of: str) -> str:
+    """An adapter's base as this machine loads it: a base spec or directory as it is; a registry reference
+    (``model:<name>/<N>``, how a base that is itself a registered full model is recorded, so that another
+    machine can find it) as the directory of that version's files here (downloaded into this home when
+    the registry is a server)."""
+    if not spec.startswith("model:"):
+        return spec
+    from flywheel.vocab.refs import parse_model_entity
+
+    try:
+        files = version_files(cfg, tracker, *parse_model_entity(spec))
+    except ValueError as e:
+        raise ModelRefError(f"{of}: its base {spec!r} is not a model reference: {e}") from None
+    if files.adapter:
+        raise ModelRefError(f"{of}: its base {spec} is itself an adapter; an adapter applies to a full model")
+    return str(files.directory)
 
 
 def load_policy_for_version(cfg: FlywheelConfig, tracker: Tracker, name: str, version: int) -> Any:

@@ -98,7 +98,7 @@ def load_policy(cfg: FlywheelConfig, tracker: Tracker, base: str, *, device: str
                                 adapter=files.directory)
         return model, tok, files.base_model
     model, tok = load_model(str(files.directory), home=cfg.home, device=device, dtype=cfg.policy.dtype)
-    return model, tok, str(files.directory)
+    return model, tok, base  # the registry reference, not this machine's directory: any worker resolves it
 
 
 # -- shared run/registration plumbing ------------------------------------------------------------------
