@@ -77,6 +77,7 @@ from flywheel.store import EventStore, NewEvent
 from flywheel.tracking import DatasetSpec, Tracker
 from flywheel.versioning import load_suite, versioned_event
 from flywheel.vocab.ids import GATE_HEX, short_id
+from flywheel.vocab.refs import parse_model_entity
 
 
 class GateError(RuntimeError):
@@ -723,8 +724,6 @@ def _champion_ref(cfg: FlywheelConfig, tracker: Tracker, challenger_version: int
     tags = dict(getattr(tracker.model_version(name, challenger_version), "tags", {}) or {})
     base = tags.get("base_model") or cfg.policy.base_model
     if base.startswith("model:"):  # trained from a registered full model: that version is the baseline
-        from flywheel.vocab.refs import parse_model_entity
-
         return ModelRef.registered(*parse_model_entity(base))
     return ModelRef.base(base)
 

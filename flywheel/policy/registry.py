@@ -30,7 +30,7 @@ from flywheel.policy.base import Policy
 from flywheel.policy.hf import HFPolicy
 from flywheel.policy.openai_http import OpenAIPolicy
 from flywheel.tracking import Tracker
-from flywheel.vocab.refs import model_entity, parse_model_ref
+from flywheel.vocab.refs import model_entity, parse_model_entity, parse_model_ref
 
 __all__ = [
     "ModelRefError",
@@ -135,8 +135,6 @@ def local_base(cfg: FlywheelConfig, tracker: Tracker, spec: str, *, of: str) -> 
     the registry is a server)."""
     if not spec.startswith("model:"):
         return spec
-    from flywheel.vocab.refs import parse_model_entity
-
     try:
         files = version_files(cfg, tracker, *parse_model_entity(spec))
     except ValueError as e:
