@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flywheel.artifact_backends import ArtifactError, ArtifactRemoteError, RemoteBackend, backend_from_url
-from flywheel.vocab.ids import sha256_file
+from flywheel.vocab.ids import canonical_json, sha256_file
 
 if TYPE_CHECKING:  # annotations only: config and artifacts are independent core layers (pyproject)
     from flywheel.config import FlywheelConfig
@@ -247,7 +247,7 @@ class ArtifactStore:
         return ArtifactRef(sha, ext, len(data))
 
     def put_json(self, obj: Any) -> ArtifactRef:
-        data = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        data = canonical_json(obj, allow_nan=True).encode()  # NaN metrics stay storable, as they always were
         return self.put_bytes(data, "json")
 
     def put_file(self, src: str | os.PathLike[str], ext: str | None = None) -> ArtifactRef:

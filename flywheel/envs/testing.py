@@ -23,8 +23,8 @@ import pyarrow as pa
 
 from flywheel.policy.base import Sample, coerce_params, per_prompt_tools
 from flywheel.policy.format import render_prompt
-from flywheel.store import BATCH_SCHEMA, EventStore, NewEvent, canonical_json
-from flywheel.vocab.ids import short_id
+from flywheel.store import BATCH_SCHEMA, EventStore, NewEvent
+from flywheel.vocab.ids import canonical_json, short_id
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from flywheel import sandbox
 from flywheel.config import SandboxConfig
+from flywheel.vocab.ids import canonical_json
 from flywheel.vocab.tools import tool_names
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -47,10 +48,6 @@ class Observation:
     source: str  # "recorded" | "python" | "error"
     raised: bool = False
     infra_error: str | None = None
-
-
-def _canon(v: Any) -> str:
-    return json.dumps(v, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def _loose(v: Any) -> Any:
@@ -80,19 +77,20 @@ class ToolEnv:
         self._exact = {}
         self._fuzzy = {}
         for r in self.recorded:
-            self._exact.setdefault(_canon([r["name"], r.get("arguments") or {}]), r)
-            self._fuzzy.setdefault(_canon([r["name"], _loose(r.get("arguments") or {})]), r)
+            self._exact.setdefault(canonical_json([r["name"], r.get("arguments") or {}], allow_nan=True), r)
+            self._fuzzy.setdefault(canonical_json([r["name"], _loose(r.get("arguments") or {})], allow_nan=True), r)
 
     def answer(self, name: str, arguments: dict) -> Observation:
         if self.tool_names and name not in self.tool_names:
-            return Observation(name, _canon({"error": f"unknown tool {name!r}"}), "error", raised=True)
-        hit = self._exact.get(_canon([name, arguments])) or self._fuzzy.get(_canon([name, _loose(arguments)]))
+            return Observation(name, canonical_json({"error": f"unknown tool {name!r}"}), "error", raised=True)
+        hit = (self._exact.get(canonical_json([name, arguments], allow_nan=True))
+               or self._fuzzy.get(canonical_json([name, _loose(arguments)], allow_nan=True)))
         if hit is not None:
             return Observation(name, str(hit.get("content", "")), "recorded")
         if self.python:
             return run_python_tool(self.python, name, arguments, self.sandbox_cfg)
         return Observation(
-            name, _canon({"error": f"no recorded result for {name} with these arguments"}), "error", raised=True
+            name, canonical_json({"error": f"no recorded result for {name} with these arguments"}), "error", raised=True
         )
 
 
@@ -104,7 +102,7 @@ def run_python_tool(code: str, name: str, arguments: dict, sandbox_cfg: SandboxC
     prints itself cannot be mistaken for the result).
     """
     if not _IDENT.match(name):
-        return Observation(name, _canon({"error": f"invalid tool name {name!r}"}), "error", raised=True)
+        return Observation(name, canonical_json({"error": f"invalid tool name {name!r}"}), "error", raised=True)
     marker = "@@flywheel-result-" + secrets.token_hex(8) + "@@"
     args_json = json.dumps(arguments, ensure_ascii=False)
     test = (
@@ -122,7 +120,7 @@ def run_python_tool(code: str, name: str, arguments: dict, sandbox_cfg: SandboxC
     )
     res = sandbox.run_python_tests(code, test, sandbox_cfg)  # looked up per call: tests replace it
     if res.infra_error:
-        return Observation(name, _canon({"error": "tool sandbox unavailable"}), "error", infra_error=res.infra_error)
+        return Observation(name, canonical_json({"error": "tool sandbox unavailable"}), "error", infra_error=res.infra_error)
     if res.passed:
         parts = res.stdout.split(marker)
         content = parts[1] if len(parts) >= 3 else ""

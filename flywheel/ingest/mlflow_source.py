@@ -42,8 +42,9 @@ from flywheel.config import FlywheelConfig
 from flywheel.ingest.pipeline import IngestError, IngestSummary, ProgressFn, _Committer
 from flywheel.ingest.prepare import Preparer
 from flywheel.ingest.reader import KEEP_PREFIX, Line
-from flywheel.store import BATCH_SCHEMA, EventStore, canonical_json
+from flywheel.store import BATCH_SCHEMA, EventStore
 from flywheel.tracking import Tracker, public_uri
+from flywheel.vocab.ids import canonical_json
 
 FORMAT = "mlflow"
 

@@ -47,10 +47,12 @@ SHORT_HEX = 8
 _CHUNK = 1 << 20  # 1 MiB reads: the hash, not the syscalls, bounds the rate from there on
 
 
-def canonical_json(payload: Any) -> str:
+def canonical_json(payload: Any, *, allow_nan: bool = False) -> str:
     """Canonical JSON: sorted keys, no whitespace, UTF-8 kept. Raises TypeError on non-JSON values and
-    ValueError on NaN or infinities (the event store's payload format)."""
-    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    ValueError on NaN or infinities (the event store's payload format); ``allow_nan=True`` writes them
+    as ``NaN``/``Infinity`` instead (Python's JSON extension, for text that is hashed or matched but is
+    not an event payload: recorded tool calls, JSON artifacts)."""
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan)
 
 
 def digest(data: str | bytes) -> str:

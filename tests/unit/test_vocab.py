@@ -170,3 +170,11 @@ def test_parse_model_ref(ref, kind, version):
     r = parse_model_ref(ref, model_name="policy")
     assert (r.kind, r.version) == (kind, version)
     assert parse_model_ref("5", model_name="policy", bare_version=True).version == 5
+
+
+def test_canonical_json_refuses_nan_unless_asked():
+    """Event payloads refuse NaN; the recorded-tool matcher and JSON artifacts always wrote it."""
+    value = {"é": [1.5, float("nan"), float("-inf")], "a": None}
+    with pytest.raises(ValueError):
+        canonical_json(value)
+    assert canonical_json(value, allow_nan=True) == '{"a":null,"é":[1.5,NaN,-Infinity]}'
