@@ -27,24 +27,33 @@ on 9 items one of +11%, while the exact test gives p = 0.31 and p = 0.0625).
   probability ``p_win``, a loss with ``p_loss``), so the report can say how many items an observed
   effect would need and what a suite of this size can detect.
 - :func:`wilson`: the Wilson score interval of one pass rate.
+- :func:`paired_stats`: all of the above for two aligned pass/fail vectors, as the gate reports them
+  (:class:`PairedStats`); :func:`compute_slices`: the paired pass rates, wins and losses per slice
+  label (:class:`SliceResult`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats as _st
 
 __all__ = [
+    "POWER",
     "BootstrapResult",
+    "PairedItem",
+    "PairedStats",
+    "SliceResult",
+    "compute_slices",
     "exact_power",
     "items_needed",
     "min_detectable_improvement",
     "newcombe_paired_interval",
     "paired_bootstrap",
+    "paired_stats",
     "sign_test",
     "wilson",
 ]
@@ -339,3 +348,125 @@ def paired_bootstrap(
         losses=losses,
         ties=n - wins - losses,
     )
+
+
+# ------------------------------------------------------------------------------ the gate's paired table
+
+POWER = 0.8  # of the "items needed" and "minimum detectable improvement" figures in the report
+
+
+@dataclass(frozen=True)
+class PairedStats:
+    """Everything the gate measures on the paired held-out items (the methods: the functions above).
+
+    ``p_value``: one-sided exact McNemar (sign) test of ``wins`` vs ``losses``. ``lower_bound``: the
+    one-sided Newcombe hybrid-score lower bound of (challenger - champion) at ``confidence``;
+    ``newcombe_lo``/``newcombe_hi``: the two-sided Newcombe interval. ``boot``: the paired
+    percentile bootstrap, an effect-size estimate for the report only. ``mde``: the smallest
+    improvement detectable with 80% power at this size in the most favourable case (no losses);
+    ``mde_observed``: the same at the observed disagreement rate. ``items_needed``: paired items at
+    which the observed win and loss rates would be detected with 80% power (``None`` when the
+    observed effect is no improvement).
+    """
+
+    n: int
+    both: int
+    wins: int
+    losses: int
+    neither: int
+    champion_rate: float
+    challenger_rate: float
+    diff: float
+    p_value: float
+    confidence: float
+    lower_bound: float
+    newcombe_lo: float
+    newcombe_hi: float
+    boot: BootstrapResult
+    mde: float | None
+    mde_observed: float | None
+    items_needed: int | None
+
+    @property
+    def alpha(self) -> float:
+        return round(1.0 - self.confidence, 12)  # 1 - 0.95 is 0.050000000000000044 in floats
+
+    @property
+    def ties(self) -> int:
+        return self.both + self.neither
+
+
+def paired_stats(
+    champion: Sequence[bool | float], challenger: Sequence[bool | float], *, confidence: float = 0.95,
+    bootstrap_samples: int = 2000, seed: int = 0,
+) -> PairedStats:
+    """The gate's statistics for two aligned pass/fail vectors (one entry per paired item)."""
+    a = np.asarray(champion, dtype=bool)
+    b = np.asarray(challenger, dtype=bool)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired_stats needs two 1-D arrays of equal length (got {a.shape} and {b.shape})")
+    n = int(a.size)
+    both, wins = int(np.sum(a & b)), int(np.sum(b & ~a))
+    losses, neither = int(np.sum(a & ~b)), int(np.sum(~a & ~b))
+    boot = paired_bootstrap(a.astype(float), b.astype(float), samples=bootstrap_samples,
+                            confidence=confidence, seed=seed)
+    alpha = 1.0 - confidence
+    nan = float("nan")
+    if n:
+        lower, _ = newcombe_paired_interval(both, wins, losses, neither, confidence=confidence, sided="lower")
+        nlo, nhi = newcombe_paired_interval(both, wins, losses, neither, confidence=confidence)
+        discord = (wins + losses) / n
+        mde_obs = min_detectable_improvement(n, alpha, POWER, discordance=discord) if discord > 0 else None
+        needed = items_needed(wins / n, losses / n, alpha, POWER)
+    else:
+        lower = nlo = nhi = nan
+        mde_obs = needed = None
+    return PairedStats(
+        n=n, both=both, wins=wins, losses=losses, neither=neither,
+        champion_rate=float(a.mean()) if n else nan, challenger_rate=float(b.mean()) if n else nan,
+        diff=(wins - losses) / n if n else nan, p_value=sign_test(wins, losses), confidence=confidence,
+        lower_bound=lower, newcombe_lo=nlo, newcombe_hi=nhi, boot=boot,
+        mde=min_detectable_improvement(n, alpha, POWER) if n else None, mde_observed=mde_obs, items_needed=needed,
+    )
+
+
+@dataclass(frozen=True)
+class PairedItem:
+    """One held-out item scored for both models. ``labels`` name the slices it belongs to."""
+
+    task_id: str
+    champion: bool
+    challenger: bool
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SliceResult:
+    name: str
+    n: int
+    champion_rate: float
+    challenger_rate: float
+    wins: int
+    losses: int
+
+    @property
+    def delta(self) -> float:
+        """challenger - champion (negative = regression)."""
+        return self.challenger_rate - self.champion_rate
+
+
+def compute_slices(items: Iterable[PairedItem]) -> list[SliceResult]:
+    """Pass rates per slice label (an item may be in several slices), sorted by name."""
+    acc: dict[str, list[int]] = {}
+    for it in items:
+        for label in dict.fromkeys(it.labels):  # an item counts once per slice
+            s = acc.setdefault(label, [0, 0, 0, 0, 0])
+            s[0] += 1
+            s[1] += int(it.champion)
+            s[2] += int(it.challenger)
+            s[3] += int(it.challenger and not it.champion)
+            s[4] += int(it.champion and not it.challenger)
+    return [
+        SliceResult(name, n, champ / n, chall / n, w, lo)
+        for name, (n, champ, chall, w, lo) in sorted(acc.items())
+    ]

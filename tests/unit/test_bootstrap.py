@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from flywheel.gate import paired_bootstrap
+from flywheel.stats import paired_bootstrap
 
 
 def test_hand_computed_bounds_four_items():

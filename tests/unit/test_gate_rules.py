@@ -9,14 +9,11 @@ from flywheel.gate import (
     DecontaminationStatus,
     GateDecision,
     GateEvidence,
-    PairedItem,
     RegressionSummary,
     assess_decontamination,
-    compute_slices,
     decide,
     gate_id_for,
     item_labels,
-    paired_stats,
     render_markdown,
     rule_decontaminated,
     rule_max_regression_failures,
@@ -26,6 +23,7 @@ from flywheel.gate import (
     rule_significance,
     training_signatures,
 )
+from flywheel.stats import PairedItem, compute_slices, paired_stats
 
 
 # ---------------------------------------------------------------- min_pass_rate
