@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
 def _demonstrations(path: Path) -> list:
     """JSON lines: {messages, tools?, source_entity_id, split, answer_calls?: [{name, arguments}], answer_content?}."""
     from flywheel.train.demos import Demonstration  # duckdb, ~0.7 s: off the CLI's start
-    from flywheel.verifiers import ToolCall  # ~0.4 s: off the CLI's start
+    from flywheel.vocab import ToolCall
 
     demos = []
     for i, line in enumerate(path.read_text().splitlines()):

@@ -51,7 +51,8 @@ from flywheel.schemas.gx_synth import candidate_features, tools_schema_valid, va
 from flywheel.synth.generators import Candidate
 from flywheel.synth.keys import LIMITS, answer_key, synth_task_id, tool_key
 from flywheel.tasks import TaskError, validate_task
-from flywheel.verifiers import SpecError, ToolCall, VerifyContext, validate_spec
+from flywheel.verifiers import SpecError, VerifyContext, validate_spec
+from flywheel.vocab import ToolCall
 
 #: The gates in order; a batch records its count after each.
 FUNNEL = ("generated", "valid", "solvable", "unique", "uncontaminated", "accepted")

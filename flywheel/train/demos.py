@@ -19,8 +19,8 @@ from typing import Any
 from flywheel.artifacts import ArtifactStore
 from flywheel.config import FlywheelConfig
 from flywheel.store import EventStore
-from flywheel.verifiers import ToolCall
 from flywheel.versioning import load_env, load_suite
+from flywheel.vocab import ToolCall
 
 __all__ = ["HELDOUT", "Demonstration", "HeldOutDemonstrationError", "check_demonstrations",
            "demonstrations_from_tasks", "train_split_demonstrations"]
@@ -36,7 +36,7 @@ class HeldOutDemonstrationError(ValueError):
 class Demonstration:
     """A conversation and the answer the policy should have given.
 
-    ``answer_calls`` (a list of ``flywheel.verifiers.ToolCall``) or ``answer_content`` (plain text);
+    ``answer_calls`` (a list of ``flywheel.vocab.ToolCall``) or ``answer_content`` (plain text);
     ``source_entity_id`` names where it came from (``eval:…``, ``synth:…``, ``trace:…``) and becomes
     the causation of the training run; ``split`` is that source's split (``train`` / ``heldout``).
     """
