@@ -32,9 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flywheel.flows.artifacts import publish_cycle
 from flywheel.flows.cycle_env import prefect_environment  # noqa: F401 - re-exported
 from flywheel.flows.stages import STAGES
+from flywheel.flows.ui_artifacts import publish_cycle
 from prefect import flow, task
 
 from flywheel.champion import reconcile_champion

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flywheel.flows.artifacts import publish_stage
+from flywheel.flows.ui_artifacts import publish_stage
 
 from flywheel.cycle import CycleResources, summarize
 

@@ -3,7 +3,7 @@ real Prefect server are checked in tests/integration/test_real_servers.py)."""
 
 from __future__ import annotations
 
-from flywheel.flows.artifacts import artifact_keys, cycle_markdown, stage_markdown, stage_rows
+from flywheel.flows.ui_artifacts import artifact_keys, cycle_markdown, stage_markdown, stage_rows
 
 GATE = {
     "gate_id": "gate:abc", "outcome": "refused", "passed": False, "p_value": 0.0625,
@@ -93,7 +93,7 @@ def test_stage_markdown_shows_counts_and_scalar_fields():
 
 
 def test_stage_counts_fall_back_to_numeric_fields_for_an_unknown_shape():
-    from flywheel.flows.artifacts import stage_counts
+    from flywheel.flows.ui_artifacts import stage_counts
 
     assert stage_counts("envs", {"envs": 3, "events_appended": 2}) == "envs 3, events_appended 2"
     assert stage_counts("custom", {"items": 4, "note": "x"}) == "items 4"
