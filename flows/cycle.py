@@ -21,7 +21,7 @@ Prefect). Entrypoint for deployments: ``flows/cycle.py:flywheel_cycle``.
   got on this machine (:func:`flywheel.sandbox.isolation_report`); the CLI summary warns loudly when
   it is weak or incomplete.
 - Prefect UI: each stage's task run carries a markdown artifact of its result, and the flow run a
-  summary and a per-stage table under keys stable per deployment (:mod:`flywheel.flows.artifacts`).
+  summary and a per-stage table under keys stable per deployment (:mod:`flywheel.flows.ui_artifacts`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 ``flows/pools.py`` runs them as ``flywheel-stage/<pool>`` deployments on a Prefect work pool
 (``cycle.pools``). Either way a stage gets only plain JSON values as arguments (entity ids, model
 refs, artifact refs), reads its inputs from the event store and the artifact store, and returns a
-JSON-safe summary (published to the Prefect UI by :func:`flywheel.flows.artifacts.publish_stage`).
+JSON-safe summary (published to the Prefect UI by :func:`flywheel.flows.ui_artifacts.publish_stage`).
 So a stage never needs the disk of the machine that ran the stage before it.
 
 ``report(stage, info)`` is the progress callback of the CLI and the demo (a no-op on a worker).
