@@ -46,10 +46,6 @@ EXPERIMENT = "flywheel"
 _TAG_MAX = 5000  # MLflow's tag value limit is 8000 characters; leave room for the key
 
 
-class TrackingError(RuntimeError):
-    pass
-
-
 DATASET_CONTEXTS = ("training", "demonstrations", "evaluation")
 _DIGEST_MAX = 36  # MLflow's datasets.digest column is VARCHAR(36)
 _SOURCE_TYPE = "flywheel"
