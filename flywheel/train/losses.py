@@ -123,7 +123,7 @@ def _kl(inp: LossInputs, logp: torch.Tensor, m: torch.Tensor, cfg: ObjectiveConf
 
 
 def _stats(
-    m: torch.Tensor, log_ratio: torch.Tensor, kl: torch.Tensor | None, entropy: torch.Tensor | None,
+    m: torch.Tensor, ratio: torch.Tensor, kl: torch.Tensor | None, entropy: torch.Tensor | None,
     w: torch.Tensor | None, clip_low: torch.Tensor, clip_high: torch.Tensor,
 ) -> tuple[dict[str, float], float]:
     n = float(m.sum())
@@ -136,7 +136,7 @@ def _stats(
         "clip_frac": mean((clip_low | clip_high).float()),
         "clip_low_frac": mean(clip_low.float()),
         "clip_high_frac": mean(clip_high.float()),
-        "ratio_mean": mean(torch.exp(log_ratio)),
+        "ratio_mean": mean(ratio),
     }
     if kl is not None:
         s["kl"] = mean(kl)
@@ -161,7 +161,7 @@ def _clipped_token_loss(
     per_tok = pg if kl is None else pg + cfg.beta * kl
     clip_low = (ratio < 1.0 - cfg.eps_low) & (adv < 0)
     clip_high = (ratio > 1.0 + cfg.eps_high) & (adv > 0)
-    stats, n = _stats(m, log_ratio, kl, inp.entropy, w, clip_low, clip_high)
+    stats, n = _stats(m, ratio, kl, inp.entropy, w, clip_low, clip_high)
     return per_tok * m, m, stats, n
 
 
@@ -230,10 +230,10 @@ def gspo_loss(inp: LossInputs, cfg: ObjectiveConfig) -> LossOutputs:
     ``d s_i / d logp_it = s_i * m_it / L_i``. TIS uses the sequence-level weight
     ``clamp(exp(mean_t (logp_old - logp_sampler)), 0, C)``.
     """
-    m, logp, log_ratio, adv = _prepare(inp)
+    m, logp, _, adv = _prepare(inp)
     L = m.sum(-1).clamp(min=1.0)  # [B]
-    log_s = (log_ratio * m).sum(-1) / L  # [B]
-    s = torch.exp(log_s)
+    # the float32 logp of _prepare: one cast node, so a bf16 logp's gradient is accumulated as before
+    s = gspo_sequence_ratio(logp, logp.detach() if inp.old_logp is None else inp.old_logp, m)  # [B]
     a = adv[:, 0]
     s_clip = s.clamp(1.0 - cfg.gspo_eps_low, 1.0 + cfg.gspo_eps_high)
     seq = -torch.minimum(s * a, s_clip * a)  # [B]
@@ -247,7 +247,7 @@ def gspo_loss(inp: LossInputs, cfg: ObjectiveConfig) -> LossOutputs:
     loss = seq.sum() / _n_seq(inp) * inp.dp_world_size
     clip_low = ((s < 1.0 - cfg.gspo_eps_low) & (a < 0))[:, None].expand_as(m)
     clip_high = ((s > 1.0 + cfg.gspo_eps_high) & (a > 0))[:, None].expand_as(m)
-    stats, n = _stats(m, log_s[:, None].expand_as(m), kl, inp.entropy, w, clip_low, clip_high)
+    stats, n = _stats(m, s[:, None].expand_as(m), kl, inp.entropy, w, clip_low, clip_high)
     per_tok = seq[:, None] * m / L[:, None]
     return LossOutputs(loss, per_tok, stats, n)
 
@@ -269,7 +269,7 @@ def cispo_loss(inp: LossInputs, cfg: ObjectiveConfig) -> LossOutputs:
     per_tok = (pg if kl is None else pg + cfg.beta * kl) * m
     loss = per_tok.sum() / _n_tok(inp, m) * inp.dp_world_size
     clip_high = ratio > cfg.cispo_max_ratio
-    stats, n = _stats(m, log_ratio, kl, inp.entropy, w, torch.zeros_like(clip_high), clip_high)
+    stats, n = _stats(m, ratio, kl, inp.entropy, w, torch.zeros_like(clip_high), clip_high)
     return LossOutputs(loss, per_tok, stats, n)
 
 
