@@ -54,9 +54,11 @@ def test_truncated_artifact_is_corrupt(tmp_path):
 
 @pytest.mark.parametrize("kind", ["table", "json", "bytes", "file", "dir", "writer"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
-def test_finding8_putting_the_same_content_again_replaces_a_corrupt_file(tmp_path, kind, damage):
+def test_putting_the_same_content_again_replaces_a_corrupt_file(tmp_path, kind, damage):
     """After bit rot, writing the same content again verifies the stored file and replaces it (it
-    used to see the name, keep the corrupt file and return a reference to it)."""
+    used to see the name, keep the corrupt file and return a reference to it).
+
+    Review finding 8."""
     arts = ArtifactStore(tmp_path / "artifacts")
     table = pa.table({"a": list(range(100)), "b": ["x"] * 100})
     src = tmp_path / "model"

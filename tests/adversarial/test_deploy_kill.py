@@ -108,7 +108,8 @@ def _kill_between(cfg) -> str:
     return line
 
 
-def test_finding10_sigkill_between_the_event_and_the_alias_move(world):
+def test_rollback_resolves_a_promotion_killed_between_the_event_and_the_alias_move(world):
+    """Review finding 10."""
     cfg, tracker = world
     name = cfg.cycle.model_name
     line = _kill_between(cfg)
@@ -124,7 +125,8 @@ def test_finding10_sigkill_between_the_event_and_the_alias_move(world):
     assert line == "between append"  # the history is written first, the alias moved second
 
 
-def test_finding10_after_the_kill_the_move_is_recorded_and_completed_at_start_up(world):
+def test_a_killed_promotion_is_recorded_and_completed_at_start_up(world):
+    """Review finding 10."""
     cfg, tracker = world
     name = cfg.cycle.model_name
     _kill_between(cfg)
@@ -138,7 +140,8 @@ def test_finding10_after_the_kill_the_move_is_recorded_and_completed_at_start_up
         assert reconcile_champion(store, tracker, name).action == "in_sync"
 
 
-def test_finding10_serve_completes_the_interrupted_move_at_start_up(world):
+def test_serve_completes_the_interrupted_move_at_start_up(world):
+    """Review finding 10."""
     from flywheel.deploy import champion_provider
 
     cfg, tracker = world
@@ -151,7 +154,8 @@ def test_finding10_serve_completes_the_interrupted_move_at_start_up(world):
         watcher.stop()
 
 
-def test_finding10_reconcile_completes_only_a_recorded_move(world):
+def test_reconcile_completes_only_a_recorded_move(world):
+    """Review finding 10."""
     cfg, tracker = world
     name = cfg.cycle.model_name
     with open_store(cfg) as store:
@@ -165,7 +169,8 @@ def test_finding10_reconcile_completes_only_a_recorded_move(world):
         assert (r.action, r.champion) == ("completed", 1) and tracker.get_alias_version(name, CHAMPION) == 1
 
 
-def test_finding10_a_refused_append_leaves_the_alias_where_it_was(world, monkeypatch):
+def test_a_refused_append_leaves_the_alias_where_it_was(world, monkeypatch):
+    """Review finding 10."""
     cfg, tracker = world
     name = cfg.cycle.model_name
     with open_store(cfg) as store:
@@ -184,7 +189,8 @@ def test_finding10_a_refused_append_leaves_the_alias_where_it_was(world, monkeyp
         assert [d.to_version for d in deployments(store, name)] == [1]
 
 
-def test_finding10_an_alias_move_that_fails_is_completed_later(world, monkeypatch):
+def test_an_alias_move_that_fails_is_completed_later(world, monkeypatch):
+    """Review finding 10."""
     cfg, tracker = world
     name = cfg.cycle.model_name
     with open_store(cfg) as store:
@@ -204,7 +210,7 @@ def test_finding10_an_alias_move_that_fails_is_completed_later(world, monkeypatc
             promote(cfg, store, tracker, 2, force=True, reason="again")
 
 
-def test_finding11_a_rollback_between_a_promotions_event_and_its_alias_move_is_not_overwritten(world, monkeypatch):
+def test_a_rollback_between_a_promotions_event_and_its_alias_move_is_not_overwritten(world, monkeypatch):
     """Issue 31, finding 11: promote recorded 1 -> 2; before it moved the alias, a rollback completed
     that move and rolled back to 1 (event and alias); then promote set the alias to 2 unconditionally,
     so the champion was 2 while the history's last word was "back to 1". With compare-and-set the
@@ -235,8 +241,10 @@ def test_finding11_a_rollback_between_a_promotions_event_and_its_alias_move_is_n
         assert reconcile_champion(store, tracker, name).action == "in_sync"
 
 
-def test_finding11_an_alias_moved_by_hand_after_the_event_is_not_overwritten(world, monkeypatch):
-    """Compare-and-set on the alias too: moved outside flywheel after the event, it is left alone."""
+def test_an_alias_moved_by_hand_after_the_event_is_not_overwritten(world, monkeypatch):
+    """Compare-and-set on the alias too: moved outside flywheel after the event, it is left alone.
+
+    Issue 31, finding 11."""
     cfg, tracker = world
     name = cfg.cycle.model_name
     with open_store(cfg) as store:

@@ -99,7 +99,8 @@ def _check_isolated(store, arts, summary, bad_ids: list[str], good_ids: list[str
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_finding6_one_bad_record_does_not_abort_the_file(cfg, store, arts, tmp_path, case):
+def test_one_bad_record_does_not_abort_the_file(cfg, store, arts, tmp_path, case):
+    """Review finding 6."""
     lines = [_trace("good-1"), CASES[case], _trace("good-2", messages=[{"role": "user", "content": "hi"},
                                                                         {"role": "assistant", "content": "x"}])]
     f = _write(tmp_path / f"{case}.jsonl", lines)
@@ -117,7 +118,8 @@ def test_finding6_one_bad_record_does_not_abort_the_file(cfg, store, arts, tmp_p
     assert again.events_appended == 0 and store.last_seq() == n
 
 
-def test_finding6_surrogate_detail_and_raw_are_valid_utf8_and_replay_keeps_it_quarantined(cfg, store, arts, tmp_path):
+def test_surrogate_detail_and_raw_are_valid_utf8_and_replay_keeps_it_quarantined(cfg, store, arts, tmp_path):
+    """Review finding 6."""
     from flywheel.ingest import replay_quarantine
 
     f = _write(tmp_path / "s.jsonl", [_trace("good-1"), SURROGATE])
@@ -129,7 +131,8 @@ def test_finding6_surrogate_detail_and_raw_are_valid_utf8_and_replay_keeps_it_qu
     assert again.ingested == 0 and store.entity("trace:bad-surrogate") is None
 
 
-def test_finding6_all_three_in_worker_processes(cfg, store, arts, tmp_path, monkeypatch):
+def test_bad_records_are_isolated_in_worker_processes(cfg, store, arts, tmp_path, monkeypatch):
+    """Review finding 6."""
     import flywheel.ingest.pipeline as pl
 
     monkeypatch.setattr(pl, "PROCESS_MIN_BYTES", 0)  # the process path for this small file
@@ -144,7 +147,8 @@ def test_finding6_all_three_in_worker_processes(cfg, store, arts, tmp_path, monk
         _check_isolated(store, arts, s, ["bad-surrogate", "bad-deep", "bad-required"], goods)
 
 
-def test_finding6_whole_json_document_with_a_surrogate_element(cfg, store, arts, tmp_path):
+def test_a_bad_element_of_a_whole_json_document_is_isolated(cfg, store, arts, tmp_path):
+    """Review finding 6."""
     doc = "[\n" + ",\n".join([json.dumps(_trace("good-1")), SURROGATE.decode(), json.dumps(_trace("good-2"))]) + "\n]\n"
     f = tmp_path / "doc.json"
     f.write_text(doc)
@@ -173,8 +177,10 @@ INJECTION_POINTS = ["validate", "classify", "failure_identity", "failure_static_
 
 
 @pytest.mark.parametrize("point", INJECTION_POINTS)
-def test_finding6_any_exception_while_preparing_is_isolated(cfg, store, arts, tmp_path, monkeypatch, point):
-    """Faults injected at each step of preparation: the record is quarantined with the class name."""
+def test_any_exception_while_preparing_is_isolated(cfg, store, arts, tmp_path, monkeypatch, point):
+    """Faults injected at each step of preparation: the record is quarantined with the class name.
+
+    Review finding 6."""
     import orjson
 
     import flywheel.ingest.prepare as prep
@@ -205,7 +211,8 @@ def test_finding6_any_exception_while_preparing_is_isolated(cfg, store, arts, tm
     _check_isolated(store, arts, s, ["boom"], ["good-1", "good-2"])
 
 
-def test_finding6_faults_in_the_otel_and_bfcl_readers_are_isolated(cfg, store, arts, tmp_path, monkeypatch):
+def test_faults_in_the_otel_and_bfcl_readers_are_isolated(cfg, store, arts, tmp_path, monkeypatch):
+    """Review finding 6."""
     import flywheel.ingest.formats as formats
     import flywheel.ingest.otlp as otlp
 
@@ -398,7 +405,8 @@ def _fuzz(cfg, store, arts, tmp_path, fmt: str, examples: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(TEMPLATES))
-def test_finding6_fuzz_arbitrary_json_in_every_field(cfg, store, arts, tmp_path, monkeypatch, fmt):
+def test_arbitrary_json_in_every_field_never_aborts_a_file(cfg, store, arts, tmp_path, monkeypatch, fmt):
+    """Review finding 6."""
     import flywheel.ingest.pipeline as pl
 
     cfg.ingest.workers = 0
@@ -408,9 +416,11 @@ def test_finding6_fuzz_arbitrary_json_in_every_field(cfg, store, arts, tmp_path,
     _fuzz(cfg, store, arts, tmp_path, fmt, examples={"openai": 150, "otel": 100, "bfcl": 80}[fmt])
 
 
-def test_finding6_quarantining_never_fails_and_never_keeps_unredacted_text(cfg, store, arts, tmp_path, monkeypatch):
+def test_quarantining_never_fails_and_never_keeps_unredacted_text(cfg, store, arts, tmp_path, monkeypatch):
     """If even the redaction of the quarantined line raises, the record is still quarantined (its
-    raw text withheld, not stored unchecked) and the file goes on."""
+    raw text withheld, not stored unchecked) and the file goes on.
+
+    Review finding 6."""
     import flywheel.ingest.prepare as prep
     from flywheel.redact import Redactor
 

@@ -1,8 +1,8 @@
 """Reward integrity: verdicts a candidate cannot forge, and no silent weak sandbox.
 
-One test per attack. ``test_finding_N_*`` reproduce the six findings of the outside review (each
-forged a reward or hid a loss on the pre-redesign code); ``test_attack_*`` are further attacks a
-policy under RL pressure finds. Every attack uses a *wrong* solution (or a wrong shell answer, or a
+One test per attack. Six tests reproduce the six findings of the outside review, each named for what
+it checks and giving its finding's number in its docstring (each forged a reward or hid a loss on the
+pre-redesign code); ``test_attack_*`` are further attacks a policy under RL pressure finds. Every attack uses a *wrong* solution (or a wrong shell answer, or a
 losing judge answer) and must not score a pass.
 
 Two grading paths are attacked separately:
@@ -88,7 +88,8 @@ def test_the_honest_solution_passes_both_paths():
 
 
 @needs_ns
-def test_finding_1_signal_handler_walking_frames_cannot_forge_a_pass():
+def test_a_signal_handler_walking_frames_cannot_forge_a_pass():
+    """Review finding 1."""
     attack = textwrap.dedent(
         """
         import os, signal
@@ -123,7 +124,8 @@ def test_finding_1_signal_handler_walking_frames_cannot_forge_a_pass():
     assert "found" not in r.stderr
 
 
-def test_finding_2_weak_mode_is_an_infra_error_not_a_reward(monkeypatch):
+def test_weak_mode_is_an_infra_error_not_a_reward(monkeypatch):
+    """Review finding 2."""
     import flywheel.sandbox as sb
 
     # No namespaces and not root: the pre-redesign harness ran the candidate as the verifier's uid
@@ -155,7 +157,8 @@ def test_finding_2_weak_mode_is_an_infra_error_not_a_reward(monkeypatch):
 
 
 @needs_ns
-def test_finding_3_shell_grader_does_not_import_or_run_the_candidates_files():
+def test_shell_grader_does_not_import_or_run_the_candidates_files():
+    """Review finding 3."""
     # The grader reads the candidate's output with python; a planted json.py in the grader's cwd
     # (or on its sys.path) would answer for it.
     grader = "python3 -c \"import json, sys; sys.exit(0 if json.load(open('${WORK:-.}/out.json'))['x'] == 1 else 1)\""
@@ -172,7 +175,8 @@ def test_finding_3_shell_grader_does_not_import_or_run_the_candidates_files():
     assert r.infra_error is None and not r.passed, r.per_test
 
 
-def test_finding_4_free_form_tests_do_not_trust_the_candidates_builtins():
+def test_free_form_tests_do_not_trust_the_candidates_builtins():
+    """Review finding 4."""
     if not STRONG:
         pytest.skip(isolation_mode())
     tests = textwrap.dedent(
@@ -229,7 +233,8 @@ def test_finding_4_free_form_tests_do_not_trust_the_candidates_builtins():
 
 
 @needs_ns
-def test_finding_5_memory_is_bounded_across_the_sandboxs_processes():
+def test_memory_is_bounded_across_the_sandboxs_processes():
+    """Review finding 5."""
     # Six children of 96 MiB each under a 160 MiB budget: RLIMIT_AS (per process) lets every one of
     # them through; a per-sandbox memory cgroup does not.
     cfg = CFG.model_copy(update={"memory_mb": 160, "max_processes": 16, "cpu_seconds": 5, "wall_seconds": 20})
@@ -300,7 +305,8 @@ def obedient_judge():
     srv.server_close()
 
 
-def test_finding_6_judge_reply_without_a_score_is_a_loss_not_an_exclusion(obedient_judge):
+def test_judge_reply_without_a_score_is_a_loss_not_an_exclusion(obedient_judge):
+    """Review finding 6."""
     spec = {"kind": "llm_judge", "rubric": "Is the answer correct?"}
     honest_loss = verify(spec, A("a wrong answer"), context=obedient_judge)
     assert honest_loss.infra_error is None and honest_loss.reward == pytest.approx(0.1)

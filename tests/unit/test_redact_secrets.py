@@ -238,7 +238,8 @@ def _oracle(tmp_path: Path, text: str, ext: str) -> list[str]:
         return [s.secret_value for s in scan_file(str(f)) if s.secret_value]
 
 
-def test_finding7_the_issue_cases():
+def test_the_reported_secret_forms_are_redacted_and_their_keys_kept():
+    """Review finding 7."""
     r = Redactor()
     cases = {
         f"AWS_SECRET_ACCESS_KEY={S['aws_secret']}": S["aws_secret"],
@@ -268,7 +269,8 @@ def test_finding7_the_issue_cases():
 
 
 @pytest.mark.parametrize("ctx,ext,text,planted", SECRET_CORPUS, ids=[f"{c[0]}-{i}" for i, c in enumerate(SECRET_CORPUS)])
-def test_finding7_every_secret_the_oracle_finds_is_redacted(tmp_path, ctx, ext, text, planted):
+def test_every_secret_the_oracle_finds_is_redacted(tmp_path, ctx, ext, text, planted):
+    """Review finding 7."""
     found = _oracle(tmp_path, text, ext)
     assert found, f"detect-secrets finds no secret in this sample; it does not belong in the corpus: {text!r}"
     out = Redactor().text(text)
@@ -278,13 +280,15 @@ def test_finding7_every_secret_the_oracle_finds_is_redacted(tmp_path, ctx, ext, 
     assert not left, (left, out)
 
 
-def test_finding7_corpus_size_and_contexts():
+def test_the_secret_corpus_is_large_and_covers_every_context():
+    """Review finding 7."""
     assert len(SECRET_CORPUS) >= 50
     assert {c[0] for c in SECRET_CORPUS} == {"code", "json", "env", "url", "prose"}
 
 
 @pytest.mark.parametrize("text,planted", BEYOND_ORACLE)
-def test_finding7_header_url_and_key_forms_beyond_the_oracle(text, planted):
+def test_header_url_and_key_forms_beyond_the_oracle_are_redacted(text, planted):
+    """Review finding 7."""
     out = Redactor().text(text)
     assert "[REDACTED:" in out, out
     for value in planted:
@@ -330,7 +334,8 @@ def _bfcl_questions() -> list[str]:
     return out
 
 
-def test_finding7_ordinary_strings_are_untouched(tmp_path):
+def test_ordinary_strings_are_untouched(tmp_path):
+    """Review finding 7."""
     bfcl = _bfcl_questions()
     # E-mail addresses and phone numbers are PII, redacted on purpose: not ordinary here.
     pii = Redactor(["email", "phone", "card"])
@@ -360,7 +365,8 @@ NARROWER_THAN_THE_ORACLE = [
 ]
 
 
-def test_finding7_near_misses_the_oracle_flags_are_left_alone_on_purpose(tmp_path):
+def test_near_misses_the_oracle_flags_are_left_alone_on_purpose(tmp_path):
+    """Review finding 7."""
     r = Redactor()
     for text in NARROWER_THAN_THE_ORACLE:
         assert _oracle(tmp_path, text, ".txt"), text
@@ -388,7 +394,8 @@ def _shape(v):
 
 @settings(max_examples=300, deadline=None)
 @given(JSON)
-def test_finding7_redaction_never_changes_a_values_type(v):
+def test_redaction_never_changes_a_values_type(v):
+    """Review finding 7."""
     r = Redactor()
     out = r.value(v)
     assert _shape(out) == _shape(v)
@@ -407,7 +414,8 @@ def test_finding7_redaction_never_changes_a_values_type(v):
     assert _shape(tr["correction"]) == _shape({"tool_calls": [{"name": "f", "arguments": v if isinstance(v, dict) else {"a": v}}]})
 
 
-def test_finding7_redaction_is_idempotent_on_its_own_output():
+def test_redaction_is_idempotent_on_its_own_output():
+    """Review finding 7."""
     r = Redactor()
     for _, _, text, _ in SECRET_CORPUS:
         once = r.text(text)
@@ -417,10 +425,12 @@ def test_finding7_redaction_is_idempotent_on_its_own_output():
 
 
 # -- the three ends ----------------------------------------------------------------------------------
-def test_finding7_password_in_tool_arguments_never_reaches_events_parquet_or_quarantine(cfg, store, tmp_path):
+def test_password_in_tool_arguments_never_reaches_events_parquet_or_quarantine(cfg, store, tmp_path):
     """A trace that carries {"password": "Tr0ub4dor&3xyz"} in tool arguments, ingested (a failure, so
     it is copied into a failure event too), and the same trace made invalid, so it is quarantined
-    with its raw line; plus a BFCL-style call written as text and OTel spans carrying it."""
+    with its raw line; plus a BFCL-style call written as text and OTel spans carrying it.
+
+    Review finding 7."""
     from flywheel.artifacts import ArtifactStore
     from flywheel.ingest import ingest_paths, list_quarantine, show_quarantine
 
@@ -494,9 +504,11 @@ TEXTS = st.lists(FRAGMENTS, max_size=12).map("".join)
 @settings(max_examples=500, deadline=None)
 @given(st.lists(TEXTS, min_size=1, max_size=3), st.lists(st.tuples(st.sampled_from(
     ["password", "api_key", "apiKey", "token", "name", "DB_PASSWORD", "clientSecret", "max_tokens"]), TEXTS), max_size=3))
-def test_finding7_prefilter_stays_conservative_with_the_new_rules(strings, pairs):
+def test_prefilter_flags_every_line_that_redaction_would_change(strings, pairs):
     """If any string of a line would be redacted, by its text or by its key, the vectorised raw-line
-    trigger fires (a line it passes is stored without being walked)."""
+    trigger fires (a line it passes is stored without being walked).
+
+    Review finding 7."""
     r = Redactor()
     obj = {"s": strings, "args": json.dumps(dict(pairs)), "meta": dict(pairs)}
     would = r.value(obj) != obj or r.arguments(obj["args"]) != obj["args"]
