@@ -1,0 +1,48 @@
+"""``flywheel serve``: an OpenAI-compatible server over a flywheel policy (see :mod:`flywheel.serve.app`)."""
+
+from flywheel.net import allowed_hosts_for, host_name
+from flywheel.serve.app import (
+    ADAPTER_FILES,
+    ADAPTER_ROUTES,
+    RESERVED_ADAPTER_NAMES,
+    AdapterLoading,
+    ApiError,
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionSpec,
+    LoadLoraRequest,
+    PolicyProvider,
+    Recorder,
+    ServeError,
+    ServeLimits,
+    ServeState,
+    TextPart,
+    ToolCall,
+    ToolSpec,
+    UnloadLoraRequest,
+    adapter_dirs,
+    build_policy,
+    completion_body,
+    create_app,
+    error_response,
+    parse_request,
+    read_body,
+    read_key_file,
+    registry_names,
+    resolve_api_key,
+    run_in_thread,
+    serve,
+    static_provider,
+    store_recorder,
+    uvicorn_config,
+)
+
+__all__ = [
+    "ADAPTER_FILES", "ADAPTER_ROUTES", "RESERVED_ADAPTER_NAMES", "AdapterLoading", "ApiError", "ChatCompletionRequest",
+    "ChatMessage", "FunctionCall", "FunctionSpec", "LoadLoraRequest", "PolicyProvider", "Recorder", "ServeError",
+    "ServeLimits", "ServeState", "TextPart", "ToolCall", "ToolSpec", "UnloadLoraRequest", "adapter_dirs",
+    "allowed_hosts_for", "build_policy", "completion_body", "create_app", "error_response", "host_name",
+    "parse_request", "read_body", "read_key_file", "registry_names", "resolve_api_key", "run_in_thread", "serve",
+    "static_provider", "store_recorder", "uvicorn_config",
+]
