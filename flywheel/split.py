@@ -13,9 +13,9 @@ travel questions made one cluster, hence an empty held-out suite). So:
 - the **text** (:func:`request_text`) is the user turns only, normalised (NFKC, casefolded, every
   run of non-alphanumerics collapsed to one space); the system prompt and the assistant and tool
   turns are left out. A request with no user text falls back to its system text;
-- the **tool names** (:func:`tool_names`) are a separate feature: two requests can share a cluster
-  only if their offered tool-name sets overlap (Jaccard >= :data:`TOOL_JACCARD`), or neither offers
-  tools. The same question put to two different agents is two requests.
+- the **tool names** (:func:`normalised_tool_names`) are a separate feature: two requests can share a
+  cluster only if their offered tool-name sets overlap (Jaccard >= :data:`TOOL_JACCARD`), or neither
+  offers tools. The same question put to two different agents is two requests.
 
 How a request is placed (:meth:`SplitIndex.assign`):
 
@@ -93,7 +93,7 @@ def request_text(messages: Iterable[dict], tools: Iterable[dict] | None = None) 
     """The normalised text a request is clustered on: its user turns (see the module docstring).
 
     ``tools`` is accepted for symmetry with :func:`request_hash` callers and ignored: tool names are
-    a separate feature (:func:`tool_names`), never part of the shingled text.
+    a separate feature (:func:`normalised_tool_names`), never part of the shingled text.
     """
     msgs = [m for m in messages if isinstance(m, dict)]
     user = [request_content_text(m.get("content")) for m in msgs if m.get("role") == "user"]
@@ -103,15 +103,16 @@ def request_text(messages: Iterable[dict], tools: Iterable[dict] | None = None) 
     return text
 
 
-def tool_names(tools: Iterable[dict] | None) -> tuple[str, ...]:
-    """Sorted, normalised names of the offered tools."""
+def normalised_tool_names(tools: Iterable[dict] | None) -> tuple[str, ...]:
+    """The request's tool feature: the offered tools' names, normalised like the text (:data:`normalise`),
+    deduplicated and sorted (not :func:`flywheel.vocab.tools.tool_names`, the names as offered)."""
     return tuple(sorted({normalise(tool_name(t)) for t in (tools or [])} - {""}))
 
 
 def request_key(messages: Iterable[dict], tools: Iterable[dict] | None = None) -> tuple[str, tuple[str, ...]]:
-    """``(request_text, tool_names)``: what :meth:`SplitIndex.assign` places."""
+    """``(request_text, normalised_tool_names)``: what :meth:`SplitIndex.assign` places."""
     msgs = list(messages)
-    return request_text(msgs), tool_names(tools)
+    return request_text(msgs), normalised_tool_names(tools)
 
 
 def request_hash(text: str, tools: tuple[str, ...] = ()) -> str:

@@ -9,7 +9,15 @@ from fixtures import agent_traffic
 from flywheel.artifacts import open_artifacts
 from flywheel.envs.testing import append_failures, failure_payload, openai_call
 from flywheel.evals import build_evals
-from flywheel.split import SplitIndex, deal, jaccard, normalise, request_key, request_text, tool_names
+from flywheel.split import (
+    SplitIndex,
+    deal,
+    jaccard,
+    normalise,
+    normalised_tool_names,
+    request_key,
+    request_text,
+)
 from flywheel.verifiers.bfcl import bfcl_answer_to_expected, load_bfcl
 from flywheel.versioning import load_suite
 
@@ -29,8 +37,8 @@ def test_request_text_is_the_user_turns_normalised_and_ignores_answers():
 def test_the_same_words_put_to_another_agent_are_another_request():
     idx = SplitIndex(heldout_fraction=0.5, seed="s", jaccard=0.7)
     q = [{"role": "user", "content": "What can you do for me today?"}]
-    travel = tool_names([{"type": "function", "function": {"name": n}} for n in ("get_weather", "search_hotels")])
-    bank = tool_names([{"type": "function", "function": {"name": n}} for n in ("get_balance", "transfer_funds")])
+    travel = normalised_tool_names([{"type": "function", "function": {"name": n}} for n in ("get_weather", "search_hotels")])
+    bank = normalised_tool_names([{"type": "function", "function": {"name": n}} for n in ("get_balance", "transfer_funds")])
     a = idx.assign("a", request_text(q), travel)
     b = idx.assign("b", request_text(q), bank)
     assert a.cluster != b.cluster and a.request_hash != b.request_hash
