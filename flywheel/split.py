@@ -21,8 +21,8 @@ How a request is placed (:meth:`SplitIndex.assign`):
 
 1. **Exact match**: the SHA-256 of the text and the sorted tool names (``request_hash``) equal to a
    placed request's -> the same cluster.
-2. **Near match**: the project's near-duplicate engine (:class:`flywheel.dedup.NearDupIndex` in its
-   character mode: MinHash, 128 permutations over character 5-grams, banded LSH) proposes
+2. **Near match**: the project's near-duplicate engine (:class:`flywheel.dedup.GrowingNearDupIndex`,
+   in character mode: MinHash, 128 permutations over character 5-grams, banded LSH) proposes
    candidates, and every candidate is confirmed by the **exact** Jaccard of the two 5-gram sets
    >= ``cluster_jaccard`` and by its tool names. Character 5-grams rather than word shingles because
    production requests are short ("Weather in Oslo?" has 3 words but 12 5-grams).
@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flywheel.dedup import NearDupIndex, char_shingles
+from flywheel.dedup import GrowingNearDupIndex
 from flywheel.vocab.ids import digest, short_id
 from flywheel.vocab.kinds import SPLITS
 from flywheel.vocab.messages import request_content_text
@@ -128,17 +128,6 @@ def _tools_compatible(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     return len(sa & sb) / len(sa | sb) >= TOOL_JACCARD
 
 
-def shingles(text: str, k: int = SHINGLE) -> set[str]:
-    """Character k-grams of ``text``; a text shorter than ``k`` is its own single shingle."""
-    return char_shingles(text, k)
-
-
-def jaccard(a: str, b: str) -> float:
-    """Exact Jaccard of the 5-gram sets of two request texts (what :meth:`SplitIndex.near` confirms)."""
-    sa, sb = shingles(a), shingles(b)
-    return len(sa & sb) / len(sa | sb)
-
-
 def deal(cluster: str, seed: str, heldout_fraction: float) -> str:
     """Train or held-out for a *new* cluster: a salted hash, uniform in [0, 1)."""
     u = int(short_id(f"{seed}\x1f{cluster}"), 16) / 2**64
@@ -174,38 +163,18 @@ class SplitIndex:
     def __post_init__(self) -> None:
         if not 0.0 < self.jaccard <= 1.0:
             raise ValueError(f"cluster jaccard must be in (0, 1], got {self.jaccard}")
-        # Two tiers, so that placing requests one by one stays linear: the recorded placements are
-        # indexed in bulk (one sort of the band tables), and the requests placed since sit in a dict of
-        # band keys (a numpy index would re-sort every table after each add).
-        self._bulk = NearDupIndex(self.jaccard, num_perm=self.num_perm, shingle="char", k=SHINGLE)
-        self._queued: list[tuple[str, str]] = []  # recorded (key, text) not yet in the bulk index
-        self._bands: dict[tuple[int, int], list[str]] = {}  # (band, key) -> keys placed after the bulk
-        self._sets: dict[str, np.ndarray] = {}  # their shingle hashes, for the exact Jaccard
+        # Placing requests one by one stays linear: the recorded placements are indexed in bulk, the
+        # requests placed since one by one (GrowingNearDupIndex's two tiers).
+        self._near_index = GrowingNearDupIndex(self.jaccard, num_perm=self.num_perm, shingle="char", k=SHINGLE)
         self._tools: dict[str, tuple[str, ...]] = {}
         self._by_hash: dict[str, str] = {}  # request_hash -> key of its first placement
-
-    def _hashed(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        values, offsets = self._bulk.hasher.shingle_hashes([text])
-        return values, offsets, self._bulk.hasher.signatures_from_hashes(values, offsets)
-
-    def _flush(self) -> None:
-        if self._queued:
-            keys = [k for k, _ in self._queued]
-            self._bulk.add(keys, [t for _, t in self._queued])
-            self._queued = []
 
     def _index(self, key: str, text: str, tools: tuple[str, ...], placement: Placement, *, bulk: bool,
                hashed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         self.placements[key] = placement
         self._by_hash.setdefault(placement.request_hash, key)
         self._tools[key] = tools
-        if bulk and not self._sets:
-            self._queued.append((key, text))
-            return
-        values, _, sig = hashed or self._hashed(text)
-        self._sets[key] = values
-        for band, bk in enumerate(self._bulk.lsh.band_keys(sig)[0].tolist()):
-            self._bands.setdefault((band, bk), []).append(key)
+        self._near_index.add(key, text, bulk=bulk, hashed=hashed)
 
     def add_existing(self, key: str, text: str, cluster: str, split: str, tools: tuple[str, ...] = ()) -> Placement:
         """Record a placement made by an earlier build. It is never changed."""
@@ -220,23 +189,11 @@ class SplitIndex:
     def near(self, text: str, tools: tuple[str, ...] = ()) -> list[tuple[float, str]]:
         """Placed keys whose exact 5-gram Jaccard with ``text`` is >= the threshold and whose tool
         names are compatible (:data:`TOOL_JACCARD`), best first (ties by key)."""
-        return self._near(self._hashed(text), tools)
+        return self._near(self._near_index.hash(text), tools)
 
     def _near(self, hashed: tuple[np.ndarray, np.ndarray, np.ndarray], tools: tuple[str, ...]) -> list[tuple[float, str]]:
-        self._flush()
-        values, offsets, sig = hashed
-        found = {m.key: m.jaccard for m in self._bulk.query_hashed(values, offsets)[0]}
-        seen: set[str] = set()
-        for band, bk in enumerate(self._bulk.lsh.band_keys(sig)[0].tolist()):
-            for key in self._bands.get((band, bk), ()):
-                if key not in seen:
-                    seen.add(key)
-                    other = self._sets[key]
-                    inter = len(np.intersect1d(values, other, assume_unique=True))
-                    j = inter / (len(values) + len(other) - inter)
-                    if j >= self.jaccard:
-                        found[key] = j
-        hits = [(j, k) for k, j in found.items() if _tools_compatible(tools, self._tools[k])]
+        hits = [(m.jaccard, m.key) for m in self._near_index.query_hashed(hashed)
+                if _tools_compatible(tools, self._tools[m.key])]
         hits.sort(key=lambda h: (-h[0], h[1]))
         return hits
 
@@ -251,7 +208,7 @@ class SplitIndex:
             p = Placement(key, twin.cluster, twin.split, h, new=True, matched=(twin.cluster,))
             self._index(key, text, tools, p, bulk=False)
             return p
-        hashed = self._hashed(text)
+        hashed = self._near_index.hash(text)
         hits = self._near(hashed, tools)
         clusters: dict[str, str] = {}
         for _, k in hits:  # best first: the first cluster seen is the closest one

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from flywheel.dedup import (
+    GrowingNearDupIndex,
     LSHIndex,
     MinHasher,
     NearDupIndex,
@@ -122,6 +123,26 @@ def test_near_dup_index_confirms_with_exact_jaccard():
     [m], = idx.query([reworded])
     assert m.key == "k" and m.jaccard == pytest.approx(jaccard(shingles(base), shingles(reworded)))
     assert idx.query(["Compute the derivative of x squared at the point 3."]) == [[]]
+
+
+def test_growing_index_answers_as_one_near_dup_index_over_everything_added(bfcl_texts):
+    """Bulk adds, then single adds between queries (how the split places requests): every query returns
+    what a NearDupIndex holding the same documents returns, matches and Jaccards alike."""
+    rng = random.Random(7)
+    texts = bfcl_texts[:120]
+    grow, ref = GrowingNearDupIndex(0.5), NearDupIndex(0.5)
+    for i, t in enumerate(texts[:60]):
+        grow.add(f"b{i}", t, bulk=True)
+    ref.add([f"b{i}" for i in range(60)], texts[:60])
+    for i, t in enumerate(texts[60:]):
+        words = t.split()
+        q = " ".join(words[1:] if rng.random() < 0.5 else words[:-1])
+        want = ref.query([q])[0]
+        assert grow.query_hashed(grow.hash(q)) == want
+        grow.add(f"s{i}", t, bulk=bool(i % 2))  # after a single add, bulk adds join the single tier too
+        ref.add([f"s{i}"], [t])
+    probe = texts[70].split()
+    assert grow.query_hashed(grow.hash(" ".join(probe[2:]))) == ref.query([" ".join(probe[2:])])[0] != []
 
 
 def test_planted_duplicates_caught_and_known_distinct_kept(bfcl_texts):

@@ -19,9 +19,11 @@ import pyarrow as pa
 import pytest
 
 from flywheel.artifacts import open_artifacts
+from flywheel.dedup import char_shingles
 from flywheel.evals import build_evals
-from flywheel.split import TOOL_JACCARD, SplitIndex, request_hash, request_key, shingles
-from flywheel.store import BATCH_SCHEMA, canonical_json
+from flywheel.split import SHINGLE, TOOL_JACCARD, SplitIndex, request_hash, request_key
+from flywheel.store import BATCH_SCHEMA
+from flywheel.vocab.ids import canonical_json
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "split"
 
@@ -34,6 +36,11 @@ def placements() -> dict:
 
 def _index(doc: dict) -> SplitIndex:
     return SplitIndex(heldout_fraction=doc["heldout_fraction"], seed=doc["seed"], jaccard=doc["jaccard"])
+
+
+def shingles(text: str) -> set[str]:
+    """The character 5-grams a request text is clustered on."""
+    return char_shingles(text, SHINGLE)
 
 
 def _exact_j(a: str, b: str) -> float:
@@ -177,7 +184,7 @@ def test_a_rebuild_over_the_earlier_engines_events_appends_nothing(cfg, store):
 def test_char_shingle_engine_computes_the_exact_jaccard_of_the_5_gram_sets(placements):
     """The engine's hashed character shingles (flywheel.dedup, shingle="char") reproduce the 5-gram
     sets the split always clustered on: the exact Jaccard it confirms with equals the Python set
-    Jaccard of ``split.shingles`` (32-bit collisions aside), short and empty texts included."""
+    Jaccard of those sets (``char_shingles``; 32-bit collisions aside), short and empty texts included."""
     import random
 
     from flywheel.dedup import MinHasher, jaccard, pair_jaccard
