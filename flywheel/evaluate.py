@@ -51,6 +51,7 @@ from flywheel.store import EventStore, NewEvent
 from flywheel.tracking import Tracker
 from flywheel.versioning import load_suite
 from flywheel.vocab.ids import SHORT_HEX, canonical_json, digest, short_id
+from flywheel.vocab.refs import parse_versioned_ref
 
 ITEM_SCHEMA = pa.schema(
     [
@@ -144,15 +145,13 @@ def default_policy_loader(cfg: FlywheelConfig, tracker: Tracker) -> PolicyLoader
 
 
 def parse_suite_spec(spec: str) -> tuple[str, int | None]:
-    """``heldout`` -> (heldout, None); ``heldout@3`` or ``suite:heldout@3`` -> (heldout, 3)."""
-    s = spec.removeprefix("suite:")
-    if "@" in s:
-        name, v = s.rsplit("@", 1)
-        try:
-            return name, int(v)
-        except ValueError:
-            raise EvaluationError(f"suite {spec!r}: version {v!r} is not an integer") from None
-    return s, None
+    """``heldout`` -> (heldout, None); ``heldout@3`` or ``suite:heldout@3`` -> (heldout, 3):
+    :func:`flywheel.vocab.refs.parse_versioned_ref`, its ``ValueError`` (empty name, a name with ``@``,
+    a version that is not an integer >= 1) raised as :class:`EvaluationError`."""
+    try:
+        return parse_versioned_ref(spec, "suite")
+    except ValueError as e:
+        raise EvaluationError(str(e)) from None
 
 
 def resolve_suite(store: EventStore, artifacts: ArtifactStore, suite: Any) -> Any:

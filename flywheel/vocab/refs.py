@@ -127,24 +127,27 @@ def parse_model_ref(ref: str, *, model_name: str, bare_version: bool = False) ->
 
 
 def parse_versioned_ref(ref: str, kind: str) -> tuple[str, int | None]:
-    """``"train"`` / ``"train@3"`` / ``"suite:train@3"`` -> ``("train", 3 or None)``.
+    """``"train"`` / ``"train@3"`` / ``"suite:train@3"`` -> ``("train", 3 or None)``: the one reader of
+    suite and env references (``flywheel.versioning``, ``flywheel.evaluate.parse_suite_spec``).
 
-    The name is what precedes the first ``@``; it must not be empty, and a version must be an
-    integer >= 1 (``ValueError`` otherwise)."""
-    if ref.startswith(kind + ":"):
-        ref = ref[len(kind) + 1 :]
-    name, _, ver = ref.partition("@")
+    A ``ValueError`` naming ``ref`` for an empty name, a name containing ``@`` (``"a@b@3"``), and a
+    version that is not an integer >= 1 (``"train@0"``, ``"train@x"``, ``"train@"``): versions start at 1."""
+    body = ref.removeprefix(kind + ":")
+    name, sep, ver = body.partition("@")
     if not name:
-        raise ValueError(f"empty {kind} name in {ref!r}")
-    if ver:
-        try:
-            v = int(ver)
-        except ValueError:
-            raise ValueError(f"{kind} reference {ref!r}: version must be an integer") from None
-        if v < 1:
-            raise ValueError(f"{kind} reference {ref!r}: versions start at 1")
-        return name, v
-    return name, None
+        raise ValueError(f"{kind} reference {ref!r}: empty {kind} name")
+    if "@" in ver:
+        raise ValueError(f"{kind} reference {ref!r}: a {kind} name cannot contain '@' "
+                         f"(expected <name> or <name>@<version>)")
+    if not sep:
+        return name, None
+    try:
+        v = int(ver)
+    except ValueError:
+        raise ValueError(f"{kind} reference {ref!r}: version {ver!r} is not an integer") from None
+    if v < 1:
+        raise ValueError(f"{kind} reference {ref!r}: version {v} is not >= 1 (versions start at 1)")
+    return name, v
 
 
 def versioned_entity(kind: str, name: str, version: int) -> str:

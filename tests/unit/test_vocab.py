@@ -178,3 +178,33 @@ def test_canonical_json_refuses_nan_unless_asked():
     with pytest.raises(ValueError):
         canonical_json(value)
     assert canonical_json(value, allow_nan=True) == '{"a":null,"é":[1.5,NaN,-Infinity]}'
+
+
+@pytest.mark.parametrize("ref,want", [
+    ("heldout", ("heldout", None)), ("heldout@3", ("heldout", 3)), ("suite:heldout@3", ("heldout", 3)),
+    ("suite:heldout", ("heldout", None)),
+])
+def test_suite_references_read_alike_in_vocab_and_evaluate(ref, want):
+    from flywheel.evaluate import parse_suite_spec
+
+    assert parse_versioned_ref(ref, "suite") == parse_suite_spec(ref) == want
+
+
+@pytest.mark.parametrize("ref,message", [
+    ("x@0", r"'x@0': version 0 is not >= 1 \(versions start at 1\)"),
+    ("suite:x@-2", r"'suite:x@-2': version -2 is not >= 1"),
+    ("a@b@3", r"'a@b@3': a suite name cannot contain '@'"),
+    ("suite:a@b@3", r"'suite:a@b@3': a suite name cannot contain '@'"),
+    ("x@", r"'x@': version '' is not an integer"),
+    ("x@three", r"'x@three': version 'three' is not an integer"),
+    ("@3", r"'@3': empty suite name"),
+    ("suite:", r"'suite:': empty suite name"),
+])
+def test_suite_references_refused_alike_naming_the_input(ref, message):
+    """One behaviour for both readers: versions start at 1 and names never contain '@'."""
+    from flywheel.evaluate import EvaluationError, parse_suite_spec
+
+    with pytest.raises(ValueError, match=message):
+        parse_versioned_ref(ref, "suite")
+    with pytest.raises(EvaluationError, match=message):
+        parse_suite_spec(ref)
