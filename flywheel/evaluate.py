@@ -51,7 +51,7 @@ from flywheel.store import EventStore, NewEvent
 from flywheel.tracking import Tracker
 from flywheel.versioning import load_suite
 from flywheel.vocab.ids import SHORT_HEX, canonical_json, digest, short_id
-from flywheel.vocab.refs import parse_versioned_ref
+from flywheel.vocab.refs import model_entity, parse_versioned_ref
 
 ITEM_SCHEMA = pa.schema(
     [
@@ -86,7 +86,13 @@ class EvaluationError(RuntimeError):
 @dataclass(frozen=True)
 class ModelRef:
     """What is evaluated: a registered MLflow version, or a base model spec (the implicit champion
-    before the first promotion)."""
+    before the first promotion).
+
+    Not the same thing as the other two model types: :class:`flywheel.vocab.refs.ModelRefSpec` is a
+    reference as typed, parsed (it may still be an alias), and
+    :class:`flywheel.policy.registry.ResolvedModel` is what one resolves to (a URL included). A base
+    model's ``name`` is ``"base"`` here: it is recorded (``model_name`` of ``eval.completed``) and
+    :attr:`key` is part of every evaluation id, so this type stays as it is."""
 
     name: str
     version: int | None = None
@@ -114,7 +120,7 @@ class ModelRef:
 
     @property
     def entity_id(self) -> str | None:
-        return f"model:{self.name}/{self.version}" if self.version is not None else None
+        return model_entity(self.name, self.version) if self.version is not None else None
 
     def __str__(self) -> str:
         return self.entity_id or f"base:{self.spec}"

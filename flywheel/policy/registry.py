@@ -53,7 +53,11 @@ class ModelRefError(LookupError):
 @dataclass(frozen=True)
 class ResolvedModel:
     """What a reference names: a registered ``version`` of ``name``, a base ``spec`` (or directory), or
-    a server ``url``. ``ref`` is how records name it (``model:<name>/<N>``, ``base:<spec>`` or the URL)."""
+    a server ``url``. ``ref`` is how records name it (``model:<name>/<N>``, ``base:<spec>`` or the URL).
+
+    The reference as parsed is :class:`flywheel.vocab.refs.ModelRefSpec` (an alias not yet looked up,
+    a URL in ``spec``); what an evaluation records is :class:`flywheel.evaluate.ModelRef` (no URL, a
+    base model named ``"base"``)."""
 
     ref: str
     name: str | None = None

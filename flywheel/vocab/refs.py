@@ -94,7 +94,8 @@ def parse_model_entity(entity: str) -> tuple[str, int]:
 @dataclass(frozen=True)
 class ModelRefSpec:
     """A parsed model reference (see the module docstring). ``kind``: ``alias`` (``alias`` set),
-    ``version`` (``name`` and ``version`` set), ``url`` or ``spec`` (``spec`` set)."""
+    ``version`` (``name`` and ``version`` set), ``url`` or ``spec`` (``spec`` set). What it resolves to
+    is :class:`flywheel.policy.registry.ResolvedModel`."""
 
     kind: Literal["alias", "version", "url", "spec"]
     name: str | None = None
