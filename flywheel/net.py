@@ -55,8 +55,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 # ------------------------------------------------------------------ servers: Host header, request heads
-# The same checks as ``flywheel serve`` (flywheel/serve.py keeps its own copy for now), for the servers
-# that must not depend on serve's imports (``flywheel collect``).
+# The Host-header and request-head checks of every server flywheel runs (``flywheel serve``, and
+# ``flywheel collect``, which must not depend on serve's imports).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
