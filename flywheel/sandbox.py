@@ -20,7 +20,7 @@ the harness inherits. The harness, still root:
    space, processes, file size, open files, no core files), scrubs the environment, closes stdin;
 3. grades the candidate along one of three paths, named in ``SandboxResult.report["grading"]``:
 
-   - ``io`` -- python tests that are input -> expected-output checks (:mod:`flywheel.io_tests`; the
+   - ``io`` -- python tests that are input -> expected-output checks (:mod:`flywheel.io_grading`; the
      common shape of compiled evals). The worker imports ``solution`` and makes each call once; its
      serialised results come back and **this process** decodes them and applies the checks. The
      candidate's process never holds an expected value, a test name, a nonce or anything else that
@@ -159,7 +159,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flywheel.config import SandboxConfig
-from flywheel.io_tests import IOPlan, NotIO, compile_io, decode_value
+from flywheel.io_grading import IOPlan, NotIO, compile_io, decode_value
 
 __all__ = [
     "SandboxResult",

@@ -27,7 +27,7 @@ tool-call kinds, ``runtime_exception``     ``tool_call``: valid calls against th
 A ``python_tests`` eval keeps the trace's ``outcome.tests`` source as it is: that source is the
 eval's contract. When every test in it is an input -> expected-output check (``assert f(<literals>) ==
 <literal>``, the usual shape), the sandbox judges it outside the candidate's process
-(:mod:`flywheel.io_tests`); otherwise the tests run beside the candidate. Verdicts say which
+(:mod:`flywheel.io_grading`); otherwise the tests run beside the candidate. Verdicts say which
 (``details["isolation"]["grading"]``).
 
 Why ``invalid_json`` on a *tool call* compiles to ``tool_call``: the shared answer format is BFCL's

@@ -205,7 +205,7 @@ def _one_line(text, limit=300):
 
 
 def _encoder(on_other=None):
-    """A serialiser of plain data to tagged JSON (see :func:`flywheel.io_tests.decode_value`) that
+    """A serialiser of plain data to tagged JSON (see :func:`flywheel.io_grading.decode_value`) that
     needs no ``json`` import (its ``re`` dependency costs ~6 ms per run). ``on_other(v)`` returns the
     text for a value that is not plain data (the proxy path's handles); without it such a value is
     ``Unencodable``."""
@@ -377,7 +377,7 @@ def _read_exact(fd, n):
 
 
 def _decoder(handle):
-    """The inverse of :func:`_encoder` (tags of :func:`flywheel.io_tests.decode_value`), plus
+    """The inverse of :func:`_encoder` (tags of :func:`flywheel.io_grading.decode_value`), plus
     ``{"h": n}`` -> ``handle(n)``. Builds exact built-in types only; ValueError on anything else.
     Parses with the C scanner of ``_json`` directly: ``import json`` (its ``re``) cost 25-35 ms per
     process on the development machine, in each of the proxy path's two processes."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from flywheel.config import SandboxConfig
-from flywheel.io_tests import NotIO, compile_io
+from flywheel.io_grading import NotIO, compile_io
 from flywheel.sandbox import GRADINGS, SandboxResult, discover_tests, run_python_tests, run_shell
 from flywheel.verifiers.registry import (
     SpecError,

@@ -27,7 +27,7 @@ Kinds and parameters (defaults in brackets)
   ``grading`` ["auto" | "io" | "proxy"; "in_process" is proxy's former name]. The candidate is the
   last fenced ```python block, else the last fenced block, else the whole text. Sandboxed
   (:mod:`flywheel.sandbox`): tests that are input -> expected-output checks (``assert f(1, 'a') ==
-  [2]``, :mod:`flywheel.io_tests`) are judged outside the sandbox (``io``), any others run in a
+  [2]``, :mod:`flywheel.io_grading`) are judged outside the sandbox (``io``), any others run in a
   process of their own against a proxy of the candidate (``proxy``: never in the candidate's
   interpreter); "io" makes other tests a :class:`SpecError`. ``details["isolation"]["grading"]`` says which path graded it.
   Component ``tests`` = share passed.

@@ -22,7 +22,7 @@ import pytest
 import flywheel
 import flywheel.sandbox as sb
 from flywheel.config import SandboxConfig
-from flywheel.io_tests import compile_io, decode_value
+from flywheel.io_grading import compile_io, decode_value
 from flywheel.sandbox import isolation_mode, run_python_tests
 
 CFG = SandboxConfig(cpu_seconds=2, memory_mb=256, max_processes=16, max_file_mb=2, max_open_files=32, wall_seconds=6)

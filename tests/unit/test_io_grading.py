@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flywheel.io_tests import NotIO, compile_io, decode_value
+from flywheel.io_grading import NotIO, compile_io, decode_value
 from flywheel.sandbox import discover_tests
 
 HARNESS = Path(__file__).resolve().parents[2] / "flywheel" / "verifiers" / "_sandbox_harness.py"
