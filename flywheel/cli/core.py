@@ -278,7 +278,7 @@ def warehouse_migrate(
 ) -> None:
     """Copy the embedded warehouse to a PostgreSQL server, verified event by event (resumable)."""
     from flywheel.store import EventStore, is_postgres_url, redact_url  # duckdb, ~0.5 s: off the CLI's start
-    from flywheel.store_postgres import migrate_events  # duckdb+psycopg, ~0.7 s: off the CLI's start
+    from flywheel.store.postgres import migrate_events  # duckdb+psycopg, ~0.7 s: off the CLI's start
 
     if not is_postgres_url(to):
         raise CliError(f"--to must be a postgresql:// URL, got {redact_url(to)!r}")

@@ -276,7 +276,7 @@ def test_reopen_keeps_events_and_continues_numbering(store_location):
 
 def test_migrates_a_warehouse_created_by_migration_001(cfg):
     """A warehouse made with the indexed 001 schema is rebuilt by 002 with its rows intact."""
-    from flywheel.store import _migrations, _split_sql
+    from flywheel.store.local import _migrations, _split_sql
 
     version, name, script = _migrations()[0]
     con = duckdb.connect(str(cfg.warehouse))
@@ -297,7 +297,7 @@ def test_migrates_a_warehouse_created_by_migration_001(cfg):
 
 def test_migrations_003_004_turn_entities_and_edges_into_views(cfg):
     """A warehouse at 002 keeps every entity (state now read from events) and every edge (now by node id)."""
-    from flywheel.store import _migrations, _split_sql
+    from flywheel.store.local import _migrations, _split_sql
 
     con = duckdb.connect(str(cfg.warehouse))
     con.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name VARCHAR, applied_at TIMESTAMPTZ DEFAULT now())")
@@ -547,7 +547,7 @@ def test_small_append_refuses_a_name_whose_node_id_an_other_name_holds(tmp_path)
 def test_head_index_runs_merge_keeping_every_row_and_the_newest_stream_version():
     import numpy as np
 
-    from flywheel.store_index import KeyRuns
+    from flywheel.store.index import KeyRuns
 
     runs = KeyRuns(2, latest=True)
     for version in range(1, 6000):  # past the dict's size: frozen into runs, then merged

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from flywheel.cli import app
 from flywheel.store import BATCH_SCHEMA, EventStore, NewEvent, StoreError, canonical_json
-from flywheel.store_postgres import migrate_events
+from flywheel.store.postgres import migrate_events
 
 runner = CliRunner()
 

@@ -28,7 +28,7 @@ from flywheel.store import (
 
 @pytest.fixture
 def collide(monkeypatch):
-    import flywheel.store as st
+    import flywheel.store.local as st
 
     def make(a: str, b: str, store: EventStore) -> None:
         orig = st.node_id

@@ -17,12 +17,11 @@ from flywheel.store import (
     SMALL_APPEND,
     EventStore,
     NewEvent,
-    _migrations,
-    _split_sql,
     canonical_json,
     signed_node_id,
 )
-from flywheel.store_postgres import PostgresEventStore
+from flywheel.store.local import _migrations, _split_sql
+from flywheel.store.postgres import PostgresEventStore
 
 
 def _store_at_001(url: str) -> None:

@@ -14,10 +14,10 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from flywheel import store as store_mod
-from flywheel import store_share
+from flywheel.store import local as store_mod
+from flywheel.store import share as store_share
 from flywheel.store import EventStore, NewEvent, StoreError, StoreUnavailableError
-from flywheel.store_share import Client, OwnerGone, _recv, _send, _to_ipc, socket_path
+from flywheel.store.share import Client, OwnerGone, _recv, _send, _to_ipc, socket_path
 
 
 def _fake_owner(path: str, slow_sql: str, delay_s: float) -> threading.Thread:

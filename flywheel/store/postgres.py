@@ -50,9 +50,9 @@ import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flywheel import store as _store
+from flywheel.store import local as _store
 from flywheel.events import CATALOG
-from flywheel.store import (
+from flywheel.store.local import (
     EXPORT_TABLES,
     SMALL_APPEND,
     AppendResult,

@@ -167,7 +167,7 @@ class HeadIndex:
 
     def _catch_up(self, con: duckdb.DuckDBPyConnection, after: int) -> None:
         # store imports store_index: at module level this would be a cycle
-        from flywheel.store import _ENTITY_SQL, _NODE_SQL
+        from flywheel.store.local import _ENTITY_SQL, _NODE_SQL
 
         where = f"WHERE seq > {int(after)}"
         top = con.execute(f"SELECT coalesce(max(seq), {int(after)}) FROM events {where}").fetchall()[0][0]

@@ -51,7 +51,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from flywheel import store as _store
+from flywheel.store import local as _store
 
 REQUEST_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 5.0

@@ -64,7 +64,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flywheel.events import CATALOG, check_event
-from flywheel.store_index import HeadIndex
+from flywheel.store.index import HeadIndex
 
 if TYPE_CHECKING:
     from flywheel.config import FlywheelConfig
@@ -568,7 +568,7 @@ class EventStore:
         if cls is EventStore:
             if is_postgres_url(location):
                 # only in team mode (psycopg); store_postgres imports store
-                from flywheel.store_postgres import PostgresEventStore
+                from flywheel.store.postgres import PostgresEventStore
 
                 cls = PostgresEventStore
             else:
@@ -800,7 +800,7 @@ class DuckDBEventStore(EventStore):
         """Open the file, or connect to the flywheel process that holds it; wait (bounded) for a holder
         that serves nobody or for an owner that is still starting."""
         # store_share imports store: at module level this would be a cycle
-        from flywheel.store_share import Client, socket_path
+        from flywheel.store.share import Client, socket_path
 
         sock = socket_path(self.path)
         delay = 0.02
@@ -850,7 +850,7 @@ class DuckDBEventStore(EventStore):
                 self._index.reset()
             if self._serve:
                 # store_share imports store: at module level this would be a cycle
-                from flywheel.store_share import Owner
+                from flywheel.store.share import Owner
 
                 self._share = Owner.register(self.path)
         return None
@@ -914,7 +914,7 @@ class DuckDBEventStore(EventStore):
     def _call_remote(self, fn: Any) -> Any:
         """Run ``fn(client)`` against the owner; on a lost owner, re-attach and retry (bounded)."""
         # store_share imports store: at module level this would be a cycle
-        from flywheel.store_share import OwnerGone
+        from flywheel.store.share import OwnerGone
 
         deadline = None  # counted from when the owner is first found gone, not from the request's start
         while True:
