@@ -6,7 +6,7 @@ lineage edges its entity has. The warehouse has no indexes (migration 002: an AR
 64-bit key costs ~3 s per million appended rows here), so each of these was a scan: on a 1M-event
 warehouse ~2 ms for a 64-bit column and ~35 ms for ``events.stream`` (measured, 2 cores, load ~6),
 so one event cost 50 ms there. The process that owns the file is its only writer (DuckDB's file lock;
-other processes append through it, :mod:`flywheel.store_share`), so it can keep these answers in
+other processes append through it, :mod:`flywheel.store.share`), so it can keep these answers in
 memory: :class:`HeadIndex`, one per warehouse file and process, looked up in microseconds.
 
 Guarantees
@@ -32,6 +32,8 @@ from collections.abc import Iterable, Sequence
 
 import duckdb
 import numpy as np
+
+from flywheel.store import ids as store_ids
 
 # Recent rows live in a dict; past this many keys they are frozen into a sorted run. Past this many
 # runs, the runs are merged into one (an argsort of everything: ~60 ms per million keys here).
@@ -166,9 +168,6 @@ class HeadIndex:
         return self.head
 
     def _catch_up(self, con: duckdb.DuckDBPyConnection, after: int) -> None:
-        # store imports store_index: at module level this would be a cycle
-        from flywheel.store.local import _ENTITY_SQL, _NODE_SQL
-
         where = f"WHERE seq > {int(after)}"
         top = con.execute(f"SELECT coalesce(max(seq), {int(after)}) FROM events {where}").fetchall()[0][0]
         ev = con.execute(f"SELECT {_u64_halves_sql('h')} FROM (SELECT {_EVENT_HEX_SQL} AS h FROM events {where})").fetchnumpy()
@@ -192,9 +191,9 @@ class HeadIndex:
         else:
             nm = con.execute(
                 f"""
-                WITH e AS (SELECT {_ENTITY_SQL} AS entity, causation FROM events {where})
+                WITH e AS (SELECT {store_ids.ENTITY_SQL} AS entity, causation FROM events {where})
                 SELECT node, {_u64_halves_sql('h')} FROM (
-                    SELECT {_NODE_SQL.format('name')} AS node, sha256(name) AS h FROM (
+                    SELECT {store_ids.NODE_SQL.format('name')} AS node, sha256(name) AS h FROM (
                         SELECT entity AS name FROM e UNION SELECT unnest(causation) FROM e) WHERE name IS NOT NULL)
                 """
             ).fetchnumpy()

@@ -1,47 +1,10 @@
-"""The append-only event store: one DuckDB file on one machine, or a PostgreSQL server for a team.
+"""The embedded event store: one DuckDB file on one machine (:class:`DuckDBEventStore`).
 
-``EventStore(location)`` opens a DuckDB file (a path) or a PostgreSQL database (a ``postgresql://``
-URL; :mod:`flywheel.store_postgres`). :func:`open_store` picks from the configuration (``store.url``,
-else the ``warehouse`` file). Both backends keep the same contract, and the store tests run on both.
-
-Guarantees (both backends)
-- ``event_id`` is deterministic: a hash of type, stream and the canonical JSON payload. Appending an
-  event that is already recorded is a no-op reported as ``already_recorded``; re-running a stage
-  appends nothing new. ``correlation_id`` is *not* part of the hash.
-- Per stream, versions are 1, 2, 3, ... without gaps; ``expected_version`` gives optimistic
-  concurrency: a stale expected version raises :class:`ConcurrencyError` and appends nothing.
-- ``seq`` is 1..n without gaps, and a reader that has seen ``seq`` n has seen every event before it
-  (appends commit in seq order).
-- Every append is one transaction, events and projections together; a payload that is not JSON
-  raises :class:`InvalidEventError` with nothing appended. Batches go in through Arrow.
-- Projections (``entity_names``; ``entity_index``, read through the view ``entities``;
-  ``lineage_links``, read through the view ``lineage_edges``; ``streams`` is a view over events), keyed
-  by 64-bit node ids (:func:`node_id`, migration 003), are maintained on append and can be rebuilt
-  from the events alone (:meth:`EventStore.rebuild_projections`); a test asserts rebuilt == incremental.
-
-Crash safety (what survives a SIGKILL of a writer)
-- Committed transactions survive; an append that was in flight is absent as a whole. DuckDB replays
-  its write-ahead log on the next open (the WAL is checkpointed into the file every
-  :data:`CHECKPOINT_THRESHOLD` and on close); PostgreSQL rolls back the killed client's transaction.
-- If DuckDB refuses to replay the WAL, ``EventStore(path, recover_wal=True)`` (CLI:
-  ``flywheel warehouse recover``) moves the WAL aside as ``<file>.wal.unreplayed-<time>``, opens the
-  database, and warns loudly that the transactions in that file are lost from the store (the file is
-  kept for forensics).
-
-Concurrency, embedded (DuckDB lets one process open a file for writing)
-- The first flywheel process to open the file owns it and serves every other flywheel process on the
-  same machine over a private Unix socket (:mod:`flywheel.store_share`): reads run beside the owner's
-  appends (DuckDB's MVCC), and appends from other processes (an ingest while a cycle runs) are
-  serialised with the owner's own under one lock. When the owner closes, one of the others takes the
-  file over and serves the rest; a request that was in flight is retried, which is safe because
-  appends are idempotent (the retried append reports its events as ``already_recorded``).
-- A process that holds the file without serving it (another DuckDB program, or a ``read_only`` open)
-  is waited for up to ``open_timeout_s``; then :class:`StoreLockedError` names its PID.
-
-Concurrency, PostgreSQL
-- Any number of writer processes on any number of machines: appends take a transaction-scoped
-  advisory lock for the part that numbers events (work that does not depend on the numbering, such as
-  hashing and copying the batch in, happens before it), so seq and versions stay gap-free.
+The contract it keeps, with the PostgreSQL backend, is described in :mod:`flywheel.store`. How it keeps
+it here: one append at a time per file (a lock per file in this process; other processes append
+through the file's owner, :mod:`flywheel.store.share`), each one transaction of the events and their
+projections; a few events take one statement planned from the in-memory head index
+(:mod:`flywheel.store.index`), a batch is planned in Arrow (:mod:`flywheel.store.batch`).
 """
 
 from __future__ import annotations
@@ -51,207 +14,52 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flywheel.events import CATALOG, check_event
+from flywheel.events import CATALOG
+from flywheel.store import ids as store_ids
+from flywheel.store.batch import (
+    SmallRow,
+    expected_of,
+    normalise_batch,
+    plan_append,
+    plan_small,
+    small_rows,
+    small_rows_of,
+)
+from flywheel.store.contract import (
+    EXPORT_TABLES,
+    SMALL_APPEND,
+    AppendResult,
+    Event,
+    EventStore,
+    InvalidEventError,
+    NewEvent,
+    StoreError,
+    StoreLockedError,
+    StoreUnavailableError,
+)
+from flywheel.store.ids import event_id_sql
 from flywheel.store.index import HeadIndex
+from flywheel.store.schema import migrations, read_sql, split_sql
+from flywheel.store.share import Client, Owner, OwnerGone, socket_path
 
-if TYPE_CHECKING:
-    from flywheel.config import FlywheelConfig
-
-ANY = None  # expected_version: no check
 CHECKPOINT_THRESHOLD = "256MiB"
-NO_STREAM = 0  # expected_version: the stream must not exist yet
 # How long opening an embedded store waits for a file held by a process that does not serve it (or
 # an owner still starting up) before StoreLockedError. Opening, migrations and a clean close of a
 # 1M-event warehouse take ~1 s here; a read-only reader holds it for well under that.
 DEFAULT_OPEN_TIMEOUT_S = 60.0
 
-
-class StoreError(RuntimeError):
-    pass
-
-
-class StoreUnavailableError(StoreError):
-    """The store cannot be reached now (file held elsewhere, server down); retrying later may work."""
-
-
-class ConcurrencyError(StoreError):
-    """The stream's current version is not the one the caller expected."""
-
-    def __init__(self, stream: str, expected: int, actual: int):
-        super().__init__(f"stream {stream!r} is at version {actual}, expected {expected}")
-        self.stream, self.expected, self.actual = stream, expected, actual
-
-
-class StoreLockedError(StoreUnavailableError):
-    """Another process holds the warehouse file and does not serve it."""
-
-
-class InvalidEventError(StoreError, ValueError):
-    """An event that cannot be recorded (its payload is not valid JSON); nothing was appended."""
-
-
-class EntityIdCollisionError(StoreError):
-    """An append to one stream (:meth:`EventStore.append`) mentions an entity id whose 64-bit node id
-    another name holds (:func:`node_id`); nothing was appended. ``name`` is the refused name,
-    ``other`` the one that holds its node id."""
-
-    def __init__(self, message: str, name: str, other: str):
-        super().__init__(message)
-        self.name, self.other = name, other
-
-
-@dataclass(frozen=True)
-class NewEvent:
-    """An event to append. ``causation`` lists the entity ids it was caused by."""
-
-    type: str
-    payload: dict[str, Any]
-    causation: Sequence[str] = ()
-
-
-@dataclass(frozen=True)
-class Event:
-    seq: int
-    event_id: str
-    stream: str
-    stream_version: int
-    type: str
-    payload: dict[str, Any]
-    causation: list[str]
-    correlation_id: str | None
-    recorded_at: Any
-    schema_version: int
-
-    @property
-    def entity_id(self) -> str:
-        """The entity this event is about: its payload's ``entity_id`` when present (even empty, as the
-        store's projections read it), else its stream."""
-        entity = self.payload.get("entity_id")
-        return self.stream if entity is None else entity
-
-
-@dataclass
-class AppendResult:
-    appended: int = 0
-    already_recorded: int = 0
-    first_seq: int | None = None
-    last_seq: int | None = None
-    event_ids: list[str] = field(default_factory=list)
-    # Rows of the batch that were not appended because an entity id they mention collides with another
-    # name's node id (see EventStore.append_batch); each a dict: row (position in the batch), stream,
-    # type, event_id, entity (the refused name), collides_with, node, reason.
-    rejected: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def is_noop(self) -> bool:
-        return self.appended == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"appended": self.appended, "already_recorded": self.already_recorded, "first_seq": self.first_seq,
-                "last_seq": self.last_seq, "event_ids": list(self.event_ids),
-                "rejected": [dict(r) for r in self.rejected]}
-
-
-def canonical_json(payload: Any) -> str:
-    """Canonical JSON: sorted keys, no whitespace, UTF-8 kept. Raises TypeError on non-JSON values."""
-    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-def event_id_sql(type_col: str = "type", stream_col: str = "stream", payload_col: str = "payload") -> str:
-    # 128 bits of sha256 over type, stream and canonical payload, separated by a unit separator.
-    return f"'ev_' || left(sha256({type_col} || chr(31) || {stream_col} || chr(31) || {payload_col}), 32)"
-
-
-def node_id(name: str) -> int:
-    """An entity's node id: 64 bits of the name's MD5, as DuckDB's ``(md5_number(name) >> 64)::UBIGINT``.
-
-    (``md5_number`` reads the digest as a little-endian 128-bit integer, so these are its last 8 bytes.
-    ``md5_number_lower`` gives the same value at ~4x the cost: 60 ms vs 16 ms per 100k names.)
-    PostgreSQL stores the same 64 bits as a signed BIGINT (:func:`signed_node_id`).
-    """
-    import hashlib
-
-    return int.from_bytes(hashlib.md5(name.encode()).digest()[8:], "little")
-
-
-def signed_node_id(name: str) -> int:
-    """:func:`node_id` read as a signed 64-bit integer (PostgreSQL has no unsigned BIGINT)."""
-    n = node_id(name)
-    return n - (1 << 64) if n >= 1 << 63 else n
-
-
-def compute_event_id(type_: str, stream: str, payload: dict[str, Any] | str) -> str:
-    import hashlib
-
-    body = payload if isinstance(payload, str) else canonical_json(payload)
-    return "ev_" + hashlib.sha256(f"{type_}\x1f{stream}\x1f{body}".encode()).hexdigest()[:32]
-
-
-def is_postgres_url(location: Any) -> bool:
-    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
-
-
-_SECRET_PARAM_RE = re.compile(r"(?i)^(?:ssl)?password$")
-
-
-def redact_url(url: str) -> str:
-    """A store location safe to print: every password of a ``postgresql://`` URL masked.
-
-    Masked from the URL's parts, not by one pattern over the text: the user info's password up to the
-    *last* ``@`` before the host (a password with a raw ``@``, ``/`` or ``?`` in it, which libpq
-    itself would misread, is masked whole), and the value of every ``password`` / ``sslpassword``
-    query parameter (any case, percent-encoded or not). Anything that is not a ``postgresql://`` URL
-    (a warehouse path) is returned as it is. Not guaranteed: a password written into some other
-    parameter (``options=...``) is not recognised.
-    """
-    if not is_postgres_url(url):
-        return url
-    from urllib.parse import unquote
-
-    scheme, rest = url.split("://", 1)
-    q = rest.find("?")
-    at = rest.rfind("@")
-    if 0 <= q < at and "=" not in rest[q:at]:
-        q = rest.find("?", at)  # that "?" was inside the password: the query starts after the host
-    head, query = (rest, "") if q < 0 else (rest[:q], rest[q + 1:])
-    if "@" in head:
-        userinfo, host = head.rsplit("@", 1)
-        user, has_pw, _ = userinfo.partition(":")
-        head = f"{user}:***@{host}" if has_pw else f"{user}@{host}"
-    if query:
-        parts = []
-        for item in query.split("&"):
-            key, eq, _value = item.partition("=")
-            parts.append(f"{key}=***" if eq and _SECRET_PARAM_RE.match(unquote(key).strip()) else item)
-        query = "&".join(parts)
-    return f"{scheme}://{head}" + (f"?{query}" if q >= 0 else "")
-
-
-BATCH_SCHEMA = pa.schema(
-    [
-        ("stream", pa.string()),
-        ("type", pa.string()),
-        ("payload", pa.string()),  # canonical JSON text
-        ("causation", pa.list_(pa.string())),
-    ]
-)
-
-EXPORT_TABLES = ("events", "streams", "entities", "lineage_edges")
-
 # One lock per warehouse file, shared by every EventStore of this process on that file. DuckDB's file
-# lock keeps other processes out (they append through the owner, flywheel.store_share); this lock
+# lock keeps other processes out (they append through the owner, flywheel.store.share); this lock
 # serialises appends of several connections inside one process, which is what lets the append
 # transaction (not an index) keep seq, event_id and (stream, stream_version) unique.
 _PATH_LOCKS: dict[str, threading.RLock] = {}
@@ -268,7 +76,7 @@ def _path_lock(path: Path) -> threading.RLock:
 
 
 def _path_index(path: Path) -> HeadIndex:
-    """The in-memory head index of this warehouse file in this process (flywheel.store_index), used
+    """The in-memory head index of this warehouse file in this process (flywheel.store.index), used
     under the file's lock."""
     key = os.path.realpath(path)
     with _PATH_LOCKS_GUARD:
@@ -294,8 +102,6 @@ def _lock_holder(message: str) -> tuple[str, str] | None:
     return m["pid"], (m["exe"] or "").strip()
 
 
-_ENTITY_SQL = "coalesce(json_extract_string(payload, '$.entity_id'), stream)"
-_NODE_SQL = "(md5_number({}) >> 64)::UBIGINT"  # node_id() in SQL; .format(column)
 # The catalog's schema version of b.type, without a join (a join would not keep the batch's row order).
 _NON_DEFAULT_VERSIONS = " ".join(
     f"WHEN '{t}' THEN {spec.schema_version}" for t, spec in CATALOG.items() if spec.schema_version != 1
@@ -303,212 +109,10 @@ _NON_DEFAULT_VERSIONS = " ".join(
 _SCHEMA_VERSION_SQL = f"CASE b.type {_NON_DEFAULT_VERSIONS} ELSE 1 END" if _NON_DEFAULT_VERSIONS else "1"
 
 
-def _sql(name: str) -> str:
-    return resources.files("flywheel.warehouse").joinpath(name).read_text()
-
-
-def _migrations(folder: str = "migrations") -> list[tuple[int, str, str]]:
-    root = resources.files("flywheel.warehouse").joinpath(folder)
-    out = []
-    for entry in sorted(root.iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".sql"):
-            out.append((int(entry.name.split("_", 1)[0]), entry.name, entry.read_text()))
-    return out
-
-
-def _split_sql(script: str) -> list[str]:
-    body = "\n".join(line for line in script.splitlines() if not line.strip().startswith("--"))
-    return [s.strip() for s in body.split(";") if s.strip()]
-
-
-def _checked_events(stream: str, events: Sequence[NewEvent]) -> list[tuple[str, str, list[str]]]:
-    """(type, canonical JSON payload, causation) of each event, checked against the catalog."""
-    out = []
-    for i, ev in enumerate(events):
-        check_event(ev.type, stream)
-        try:
-            body = canonical_json(ev.payload)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"event {i} ({ev.type} on {stream}): payload is not JSON-serialisable: {e}") from None
-        out.append((ev.type, body, [str(c) for c in ev.causation]))
-    return out
-
-
-def events_table(stream: str, events: Sequence[NewEvent]) -> pa.Table:
-    """The Arrow batch (:data:`BATCH_SCHEMA`) of events for one stream, checked against the catalog."""
-    rows = _checked_events(stream, events)
-    return pa.table({"stream": [stream] * len(rows), "type": [r[0] for r in rows], "payload": [r[1] for r in rows],
-                     "causation": [r[2] for r in rows]}, schema=BATCH_SCHEMA)
-
-
-def normalise_batch(table: pa.Table, validated: bool) -> pa.Table:
-    """The batch with exactly the :data:`BATCH_SCHEMA` columns and a row index ``_i``; refuses nulls
-    and (unless ``validated``) event types outside the catalog or on the wrong stream."""
-    table = table.select(BATCH_SCHEMA.names).cast(BATCH_SCHEMA)
-    for col in ("stream", "type", "payload"):
-        if table.column(col).null_count:
-            raise ValueError(f"append_batch: column {col!r} has {table.column(col).null_count} null value(s)")
-    if not validated:
-        prefixes = pc.utf8_slice_codeunits(table.column("stream"), 0, 64)
-        pairs = pa.table({"t": table.column("type"), "p": prefixes}).group_by(["t", "p"]).aggregate([])
-        for type_, stream in zip(pairs.column("t").to_pylist(), pairs.column("p").to_pylist(), strict=True):
-            check_event(type_, stream.split(":", 1)[0] + ":")
-    return table.append_column("_i", pa.array(np.arange(table.num_rows, dtype=np.int64)))
-
-
-@dataclass
-class AppendPlan:
-    """Which rows of a batch are new and the stream version each gets (shared by both backends)."""
-
-    fresh: np.ndarray  # bool per batch row
-    versions: np.ndarray  # int64 per fresh row
-
-    @property
-    def n_new(self) -> int:
-        return int(self.fresh.sum())
-
-
-def plan_append(
-    streams: pa.ChunkedArray | pa.Array,
-    event_ids: pa.ChunkedArray | pa.Array,
-    known_streams: pa.Array | pa.ChunkedArray,
-    known_versions: pa.Array | pa.ChunkedArray,
-    held: pa.Array | pa.ChunkedArray | None,
-    expected_versions: dict[str, int | None] | None,
-) -> AppendPlan:
-    """Plan an append in Arrow/numpy: a row is fresh unless its event_id appeared earlier in the batch
-    or is ``held`` (already recorded); each fresh row's version is its stream's prior version plus its
-    rank among the stream's fresh rows. Raises :class:`ConcurrencyError` on a stale expected version
-    (only when something would be appended)."""
-    n_rows = len(event_ids)
-    fresh = np.ones(n_rows, dtype=bool)
-    if pc.count_distinct(event_ids).as_py() != n_rows:  # a repeat inside the batch: keep the first
-        first = pc.index_in(event_ids, value_set=event_ids).to_numpy(zero_copy_only=False)
-        fresh &= first == np.arange(n_rows)
-    if held is not None and len(held):
-        fresh &= ~pc.is_in(event_ids, value_set=held).to_numpy(zero_copy_only=False)
-    n_new = int(fresh.sum())
-    if n_new == 0:
-        return AppendPlan(fresh, np.zeros(0, dtype=np.int64))
-    if expected_versions:
-        prior = dict(zip(pa.chunked_array([known_streams]).to_pylist() if not isinstance(known_streams, pa.ChunkedArray)
-                         else known_streams.to_pylist(),
-                         pa.chunked_array([known_versions]).to_pylist() if not isinstance(known_versions, pa.ChunkedArray)
-                         else known_versions.to_pylist(), strict=True))
-        for stream, expected in expected_versions.items():
-            if expected is not None and (prior.get(stream) or 0) != expected:
-                raise ConcurrencyError(stream, expected, prior.get(stream) or 0)
-    fresh_streams = pc.filter(streams, pa.array(fresh)) if n_new < n_rows else streams
-    if pc.count_distinct(fresh_streams).as_py() == n_new:
-        rank = np.ones(n_new, dtype=np.int64)
-    else:
-        codes = pc.dictionary_encode(fresh_streams)
-        codes = (codes.combine_chunks() if isinstance(codes, pa.ChunkedArray) else codes).indices.to_numpy()
-        order = np.argsort(codes, kind="stable")
-        sorted_codes = codes[order]
-        starts = np.r_[0, np.flatnonzero(np.diff(sorted_codes)) + 1]
-        pos = np.arange(n_new) - np.repeat(starts, np.diff(np.r_[starts, n_new]))
-        rank = np.empty(n_new, dtype=np.int64)
-        rank[order] = pos + 1
-    versions = rank
-    if len(known_streams):
-        before = pc.index_in(fresh_streams, value_set=known_streams)
-        prior_v = pc.take(known_versions, before)
-        versions = versions + pc.fill_null(prior_v, 0).to_numpy(zero_copy_only=False).astype(np.int64)
-    return AppendPlan(fresh, versions)
-
-
-def expected_of(expected_versions: dict[str, int] | None, streams: set[str]) -> dict[str, int] | None:
-    """The expected versions of these streams only: what is left to check once an append refused the
-    other streams' rows (a refused stream's expectation is moot: nothing is appended to it)."""
-    if expected_versions is None:
-        return None
-    return {k: v for k, v in expected_versions.items() if k in streams}
-
-
-# Batches up to this many rows take the one-statement path of DuckDBEventStore._append_small.
-SMALL_APPEND = 64
-
-
-@dataclass(frozen=True)
-class _SmallRow:
-    stream: str
-    type: str
-    payload: str
-    causation: list[str | None]
-    event_id: str
-    entity: str
-    node: int
-    parents: list[int]
-
-
 def _lit(v: str | None) -> str:
     """A SQL string literal (standard strings: only the quote is special), or NULL."""
     return "NULL" if v is None else "'" + v.replace("'", "''") + "'"
 
-
-def _small_row(stream: str, type_: str, payload: str, doc: Any, causation: list[str | None]) -> _SmallRow | None:
-    entity = doc.get("entity_id") if isinstance(doc, dict) else None
-    if entity is not None and not isinstance(entity, str):
-        return None
-    entity = stream if entity is None else entity  # as SQL's coalesce: an empty entity_id is one
-    return _SmallRow(stream, type_, payload, causation, compute_event_id(type_, stream, payload), entity,
-                     node_id(entity), [node_id(c) if c is not None else 0 for c in causation])
-
-
-def _small_rows(batch: pa.Table) -> list[_SmallRow] | None:
-    """The rows of a small batch with their ids computed in Python; None when a row needs DuckDB's own
-    reading (an ``entity_id`` that is not a string, or a payload that is not JSON: the Arrow path
-    reports it)."""
-    out = []
-    for stream, type_, payload, causation in zip(*(batch.column(c).to_pylist() for c in BATCH_SCHEMA.names), strict=True):
-        try:
-            doc = json.loads(payload)
-        except ValueError:
-            return None
-        row = _small_row(stream, type_, payload, doc, list(causation or []))
-        if row is None:
-            return None
-        out.append(row)
-    return out
-
-
-def small_rows_of(stream: str, events: Sequence[NewEvent]) -> list[_SmallRow] | None:
-    """:func:`_small_rows` of ``events_table(stream, events)`` without going through Arrow (the same
-    checks and errors); None when a row needs the Arrow path."""
-    out = []
-    for (type_, body, causation), ev in zip(_checked_events(stream, events), events, strict=True):
-        row = _small_row(stream, type_, body, ev.payload, causation)
-        if row is None:
-            return None
-        out.append(row)
-    return out
-
-
-def plan_small(rows: Sequence[_SmallRow], known: dict[str, tuple[int, set[str]]],
-               expected_versions: dict[str, int | None] | None) -> tuple[list[bool], list[int]]:
-    """:func:`plan_append` for a few rows, in plain Python: ``known`` maps each existing stream of the
-    batch to (its version, the batch's event ids it holds). Returns (fresh per row, version per fresh row)."""
-    seen: set[str] = set()
-    fresh = []
-    for r in rows:
-        held = known.get(r.stream)
-        keep = r.event_id not in seen and not (held is not None and r.event_id in held[1])
-        seen.add(r.event_id)
-        fresh.append(keep)
-    if not any(fresh):
-        return fresh, []
-    for stream, expected in (expected_versions or {}).items():
-        actual = known[stream][0] if stream in known else 0
-        if expected is not None and actual != expected:
-            raise ConcurrencyError(stream, expected, actual)
-    next_version = {st: v for st, (v, _) in known.items()}
-    versions = []
-    for r, keep in zip(rows, fresh, strict=True):
-        if keep:
-            next_version[r.stream] = next_version.get(r.stream, 0) + 1
-            versions.append(next_version[r.stream])
-    return fresh, versions
 
 
 def _unregister(con: duckdb.DuckDBPyConnection, name: str) -> None:
@@ -519,242 +123,6 @@ def _unregister(con: duckdb.DuckDBPyConnection, name: str) -> None:
     except duckdb.Error:
         pass
 
-
-def _private_dir(directory: Path) -> None:
-    """Create ``directory`` (and parents) as 0700; a directory this call created is made 0700 whatever
-    the umask (an existing one keeps its mode: it is the caller's)."""
-    if not directory.exists():
-        directory.mkdir(parents=True, mode=0o700)
-        os.chmod(directory, 0o700)
-
-
-def write_parquet_private(final: Path, batches: Iterable[pa.RecordBatch], schema: pa.Schema) -> None:
-    """Write record batches as one zstd Parquet file, created 0600 under a temporary name and renamed
-    into place (no half-written file under the final name, no window where it is readable by others)."""
-    import pyarrow.parquet as pq
-
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as fh, pq.ParquetWriter(fh, schema, compression="zstd") as writer:
-            for b in batches:
-                if b.num_rows:
-                    writer.write_batch(b)
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-class EventStore:
-    """The event store. ``EventStore(path)`` opens the embedded DuckDB file; ``EventStore(url)`` with a
-    ``postgresql://`` URL opens the PostgreSQL backend. Use as a context manager.
-
-    Public API (both backends): :meth:`append`, :meth:`append_batch`, :meth:`read`,
-    :meth:`read_arrow`, :meth:`stream_version`, :meth:`last_seq`, :meth:`entity`, :meth:`entities`,
-    :meth:`counts_by_kind`, :meth:`lineage`, :meth:`lineage_edges`, :meth:`rebuild_projections`,
-    :meth:`check_integrity`, :meth:`projection_counts`, :meth:`export`, and the query helpers the
-    stages use (:meth:`latest_entity_id`, :meth:`event_stats`, :meth:`existing_streams`,
-    :meth:`entity_states`, :meth:`trace_states`, :meth:`failure_kinds_by_day`).
-    """
-
-    backend = "abstract"
-
-    def __new__(cls, location: Any = None, *args: Any, **kw: Any) -> EventStore:
-        if cls is EventStore:
-            if is_postgres_url(location):
-                # only in team mode (psycopg); store_postgres imports store
-                from flywheel.store.postgres import PostgresEventStore
-
-                cls = PostgresEventStore
-            else:
-                cls = DuckDBEventStore
-        return super().__new__(cls)
-
-    # -- common ------------------------------------------------------------------------------
-    def __enter__(self) -> EventStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:  # pragma: no cover - every backend overrides
-        raise NotImplementedError
-
-    @property
-    def location(self) -> str:
-        """Where the store lives, safe to print (a URL's password is masked)."""
-        raise NotImplementedError
-
-    def append(
-        self,
-        stream: str,
-        events: NewEvent | Iterable[NewEvent],
-        *,
-        expected_version: int | None = ANY,
-        correlation_id: str | None = None,
-    ) -> AppendResult:
-        """Append events to one stream in one transaction.
-
-        ``expected_version``: ``None`` appends at the end; an int (``NO_STREAM`` = 0 for a new stream)
-        must equal the stream's current version, else :class:`ConcurrencyError`. Events already recorded
-        (same event_id) are skipped and counted as ``already_recorded``; a fully recorded append is a
-        no-op that never raises on version.
-        """
-        if isinstance(events, NewEvent):
-            events = [events]
-        events = list(events)
-        if not events:
-            return AppendResult()
-        expected = {stream: expected_version} if expected_version is not None else None
-        res = None
-        if len(events) <= SMALL_APPEND:
-            res = self._append_small_events(stream, events, correlation_id, expected)
-        if res is None:
-            res = self.append_batch(events_table(stream, events), correlation_id=correlation_id,
-                                    expected_versions=expected, validated=True)
-        if res.rejected:
-            # One stream: its events build on one another, so a refused event refuses all of them
-            # (the append refuses a stream's later events with it, and appends nothing then).
-            first = res.rejected[0]
-            raise EntityIdCollisionError(
-                f"append to {stream!r}: {first['reason']} (nothing was appended)", first["entity"], first["collides_with"])
-        return res
-
-    def _append_small_events(self, stream: str, events: list[NewEvent], correlation_id: str | None,
-                             expected_versions: dict[str, int] | None) -> AppendResult | None:
-        """A backend's direct path for a few events of one stream (no Arrow); None: use append_batch."""
-        return None
-
-    def append_batch(
-        self,
-        table: pa.Table,
-        *,
-        correlation_id: str | None = None,
-        expected_versions: dict[str, int] | None = None,
-        validated: bool = False,
-    ) -> AppendResult:  # pragma: no cover - every backend overrides
-        raise NotImplementedError
-
-    @staticmethod
-    def _check_node_ids(names: pa.Table, known: list[tuple[int, str]]) -> dict[str, tuple[str, int]]:
-        """The names of an append that would share a node id with another name (a 64-bit MD5 prefix
-        collision), each mapped to (the name that keeps the node id, the node id); empty when none.
-
-        ``names``: the append's distinct names (columns ``name``, ``node`` as UBIGINT, and optionally
-        ``row``, the first row of the batch that mentions the name); ``known``: (node, name) of the
-        store's names with those node ids. A name the store holds keeps its node id; of new names that
-        share one, the one mentioned first in the batch keeps it (without ``row``: the first in
-        ``names``)."""
-        ids = names.column("node")
-        out: dict[str, tuple[str, int]] = {}
-        if known:
-            kt = pa.table({"node": pa.array([int(n) for n, _ in known], pa.uint64()),
-                           "old": pa.array([x for _, x in known], pa.string())})
-            j = names.select(["name", "node"]).join(kt, "node")
-            j = j.filter(pc.not_equal(j.column("name"), j.column("old")))
-            for name, node, old in zip(*(j.column(c).to_pylist() for c in ("name", "node", "old")), strict=True):
-                out[name] = (old, node)
-        if pc.count_distinct(ids).as_py() != names.num_rows:
-            counts = pc.value_counts(ids)
-            dups = set(pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1)).to_pylist())
-            order = names.column("row").to_pylist() if "row" in names.column_names else range(names.num_rows)
-            first: dict[int, tuple[Any, str]] = {}
-            for name, node, at in zip(names.column("name").to_pylist(), ids.to_pylist(), order, strict=True):
-                if node in dups and name not in out and (node not in first or at < first[node][0]):
-                    first[node] = (at, name)
-            for name, node in zip(names.column("name").to_pylist(), ids.to_pylist(), strict=True):
-                if node in first and name != first[node][1] and name not in out:
-                    out[name] = (first[node][1], node)
-        return out
-
-    def colliding_names(self, names: Sequence[str] | pa.Array | pa.ChunkedArray) -> dict[str, str]:
-        """Of these entity ids, those an append would refuse because another name holds their 64-bit
-        node id (:func:`node_id`; the store's name, or an earlier one of ``names``), each mapped to
-        that other name. What a stage asks before it builds events on the names (ingest quarantines
-        such a trace instead of sending it)."""
-        values = names.to_pylist() if isinstance(names, pa.Array | pa.ChunkedArray) else list(names)
-        values = list(dict.fromkeys(values))
-        if not values:
-            return {}
-        nodes = [node_id(n) for n in values]
-        held = [(int(n) % (1 << 64), x) for n, x in self._names_holding(nodes)]
-        table = pa.table({"name": pa.array(values, pa.string()), "node": pa.array(nodes, pa.uint64())})
-        return {k: v[0] for k, v in EventStore._check_node_ids(table, held).items()}
-
-    def _names_holding(self, nodes: list[int]) -> list[tuple[int, str]]:  # pragma: no cover - every backend overrides
-        """(node, name) of the store's names that hold any of these node ids."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _collision_message(name: str, other: str, node: int) -> str:
-        return (f"entity ids collide: {name!r} and {other!r} share the node id {node} (64 bits of MD5); "
-                f"{other!r} keeps it, so events that mention {name!r} are refused: rename one of these entities")
-
-    @staticmethod
-    def _rejected_rows(streams: Sequence[str], types: Sequence[str], event_ids: Sequence[str],
-                       entities: Sequence[str], causations: Sequence[Sequence[str | None] | None],
-                       clashes: dict[str, tuple[str, int]], rows: Sequence[int] | None = None) -> dict[int, dict[str, Any]]:
-        """The rows of a batch that an append refuses over ``clashes`` (:meth:`_check_node_ids`): every
-        row that mentions a refused name (as its entity or in its causation), and every other row of
-        the same stream in the batch (a stream's events build on one another, so a stream goes in
-        whole or not at all). Keyed by position in these lists; ``rows`` gives each position's row
-        number in the caller's batch."""
-        out: dict[int, dict[str, Any]] = {}
-        stopped: dict[str, dict[str, Any]] = {}
-        for k, ent in enumerate(entities):
-            hit = ent if ent in clashes else next((c for c in causations[k] or () if c in clashes), None)
-            if hit is not None:
-                other, node = clashes[hit]
-                out[k] = {"row": int(rows[k]) if rows is not None else k, "stream": streams[k], "type": types[k],
-                          "event_id": event_ids[k], "entity": hit, "collides_with": other, "node": int(node),
-                          "reason": EventStore._collision_message(hit, other, int(node))}
-                stopped.setdefault(streams[k], out[k])
-        if stopped:
-            for k, stream in enumerate(streams):
-                if k not in out and stream in stopped:
-                    first = stopped[stream]
-                    out[k] = {"row": int(rows[k]) if rows is not None else k, "stream": stream, "type": types[k],
-                              "event_id": event_ids[k], "entity": first["entity"],
-                              "collides_with": first["collides_with"], "node": first["node"],
-                              "reason": f"another event of stream {stream!r} in this batch was refused: {first['reason']}"}
-        return dict(sorted(out.items()))
-
-    @staticmethod
-    def _event_from_row(r: Sequence[Any]) -> Event:
-        payload = r[5] if isinstance(r[5], dict) else json.loads(r[5])
-        return Event(r[0], r[1], r[2], r[3], r[4], payload, list(r[6]), r[7], r[8], r[9])
-
-    def export(self, directory: str | os.PathLike[str]) -> dict[str, str]:
-        """Write events and projections as zstd Parquet for readers elsewhere. The directory is created
-        0700 when it does not exist; each file is written 0600 under a temporary name and renamed into
-        place (atomic per file). The path never enters SQL."""
-        out = Path(directory)
-        _private_dir(out)
-        written = {}
-        for t in EXPORT_TABLES:
-            final = out / f"{t}.parquet"
-            reader = self._table_batches(t)
-            write_parquet_private(final, reader, reader.schema)
-            written[t] = str(final)
-        return written
-
-    def _table_batches(self, table: str) -> pa.RecordBatchReader:  # pragma: no cover - every backend overrides
-        raise NotImplementedError
-
-    def entity_states(self, entity_ids: Sequence[str]) -> dict[str, str]:
-        """The current state (latest payload, JSON text) of each of these entities that exists."""
-        return {k: v for k, (v, _) in self.entity_heads(entity_ids).items()}
-
-    @contextmanager
-    def memory_limit(self, mb: int) -> Iterator[None]:
-        """Cap the store's buffer memory in this process while the block runs (embedded owner only;
-        elsewhere a no-op)."""
-        yield
 
 
 class DuckDBEventStore(EventStore):
@@ -779,8 +147,8 @@ class DuckDBEventStore(EventStore):
         self._tls = threading.local()
         self._cursor_guard = threading.Lock()
         self._cursors: list[Any] = []
-        self._remote: Any = None  # flywheel.store_share.Client when another process owns the file
-        self._share: Any = None  # flywheel.store_share.Owner registration when this one serves it
+        self._remote: Any = None  # flywheel.store.share.Client when another process owns the file
+        self._share: Any = None  # flywheel.store.share.Owner registration when this one serves it
         self.con: Any = None
         self._wcon: duckdb.DuckDBPyConnection | None = None
         self._closed = False
@@ -799,9 +167,6 @@ class DuckDBEventStore(EventStore):
     def _attach(self, deadline: float) -> None:
         """Open the file, or connect to the flywheel process that holds it; wait (bounded) for a holder
         that serves nobody or for an owner that is still starting."""
-        # store_share imports store: at module level this would be a cycle
-        from flywheel.store.share import Client, socket_path
-
         sock = socket_path(self.path)
         delay = 0.02
         while True:
@@ -849,10 +214,7 @@ class DuckDBEventStore(EventStore):
             with self._lock:  # another process may have appended while this one did not hold the file
                 self._index.reset()
             if self._serve:
-                # store_share imports store: at module level this would be a cycle
-                from flywheel.store.share import Owner
-
-                self._share = Owner.register(self.path)
+                self._share = Owner.register(self.path, lambda path: DuckDBEventStore(path, serve=False))
         return None
 
     def _connect(self, recover_wal: bool) -> duckdb.DuckDBPyConnection:
@@ -895,11 +257,11 @@ class DuckDBEventStore(EventStore):
                 "applied_at TIMESTAMPTZ DEFAULT now())"
             )
             done = {r[0] for r in con.execute("SELECT version FROM schema_migrations").fetchall()}
-            for version, name, script in _migrations():
+            for version, name, script in migrations():
                 if version in done:
                     continue
                 with self.transaction():
-                    for stmt in _split_sql(script):
+                    for stmt in split_sql(script):
                         con.execute(stmt)
                     con.execute("INSERT INTO schema_migrations (version, name) VALUES (?, ?)", [version, name])
 
@@ -913,9 +275,6 @@ class DuckDBEventStore(EventStore):
 
     def _call_remote(self, fn: Any) -> Any:
         """Run ``fn(client)`` against the owner; on a lost owner, re-attach and retry (bounded)."""
-        # store_share imports store: at module level this would be a cycle
-        from flywheel.store.share import OwnerGone
-
         deadline = None  # counted from when the owner is first found gone, not from the request's start
         while True:
             if self._remote is None:
@@ -957,7 +316,12 @@ class DuckDBEventStore(EventStore):
             self._tls.cur = cur
         return cur
 
-    def _drop_thread_cursor(self) -> None:
+    def open_cursor(self) -> duckdb.DuckDBPyConnection:
+        """A new cursor of the owning process's connection, for a client's reads (the caller closes it)."""
+        with self._cursor_guard:
+            return self.con.cursor()
+
+    def drop_thread_cursor(self) -> None:
         """Close the calling thread's read cursor (threads that end: the owner's socket threads)."""
         cur = getattr(self._tls, "cur", None)
         if cur is not None:
@@ -1079,7 +443,7 @@ class DuckDBEventStore(EventStore):
                                                                expected_versions=expected_versions))
             if res is not None:
                 return res
-        return self._append_local(batch, correlation_id, expected_versions)
+        return self.append_local(batch, correlation_id, expected_versions)
 
     def _append_small_events(self, stream: str, events: list[NewEvent], correlation_id: str | None,
                              expected_versions: dict[str, int] | None) -> AppendResult | None:
@@ -1092,10 +456,12 @@ class DuckDBEventStore(EventStore):
         with self._lock:
             return self._append_small(self._writable(), rows, correlation_id, expected_versions)
 
-    def _append_local(self, batch: pa.Table, correlation_id: str | None,
-                      expected_versions: dict[str, int] | None) -> AppendResult:
+    def append_local(self, batch: pa.Table, correlation_id: str | None,
+                     expected_versions: dict[str, int] | None) -> AppendResult:
+        """Append a normalised batch (:func:`~flywheel.store.batch.normalise_batch`) in this process,
+        which owns the file: what :meth:`append_batch` does here, and what the owner does for a client."""
         if batch.num_rows <= SMALL_APPEND:
-            rows = _small_rows(batch)
+            rows = small_rows(batch)
             if rows is not None:
                 with self._lock:
                     return self._append_small(self._writable(), rows, correlation_id, expected_versions)
@@ -1116,10 +482,10 @@ class DuckDBEventStore(EventStore):
                 for name in ("_batch_in", "_batch_ids", "_batch_plan"):
                     _unregister(con, name)
 
-    def _append_small(self, con: duckdb.DuckDBPyConnection, rows: list[_SmallRow], correlation_id: str | None,
+    def _append_small(self, con: duckdb.DuckDBPyConnection, rows: list[SmallRow], correlation_id: str | None,
                       expected_versions: dict[str, int] | None) -> AppendResult:
         """The append of a few events (what stages do between batches): planned from the in-memory
-        head index (:mod:`flywheel.store_index`: no scans), then one ``BEGIN; ...; COMMIT`` of the
+        head index (:mod:`flywheel.store.index`: no scans), then one ``BEGIN; ...; COMMIT`` of the
         inserts as literals. Same plan and projections as :meth:`_append_locked` (Arrow path), which
         costs ~10 queries whatever the batch size."""
         idx = self._index
@@ -1238,8 +604,8 @@ class DuckDBEventStore(EventStore):
         # and the check below sorts only if it ever did not. The entity and node ids are computed here,
         # once: the collision check needs them before the insert, and the projections reuse them.
         ids = con.sql(
-            f"SELECT event_id, _i, entity, {_NODE_SQL.format('entity')} AS node FROM "
-            f"(SELECT {event_id_sql()} AS event_id, _i, {_ENTITY_SQL} AS entity FROM _batch_in)").to_arrow_table()
+            f"SELECT event_id, _i, entity, {store_ids.NODE_SQL.format('entity')} AS node FROM "
+            f"(SELECT {event_id_sql()} AS event_id, _i, {store_ids.ENTITY_SQL} AS entity FROM _batch_in)").to_arrow_table()
         if pc.any(pc.not_equal(ids.column("_i"), batch.column("_i"))).as_py():
             ids = ids.sort_by("_i")
         con.register("_batch_ids", ids)
@@ -1253,7 +619,7 @@ class DuckDBEventStore(EventStore):
                            WHERE name IS NOT NULL GROUP BY name)
                 SELECT name, any_value(node) AS node, min(row) AS row FROM (
                     SELECT entity AS name, node, _i AS row FROM _batch_ids
-                    UNION ALL SELECT name, {_NODE_SQL.format("name")}, row FROM c)
+                    UNION ALL SELECT name, {store_ids.NODE_SQL.format("name")}, row FROM c)
                 GROUP BY name
                 """
             ).to_arrow_table()
@@ -1353,8 +719,8 @@ class DuckDBEventStore(EventStore):
             # The new events' entity ids and node ids, computed once for all projections.
             new = con.sql(
                 f"""
-                SELECT seq, entity_id, {_NODE_SQL.format("entity_id")} AS node, causation
-                FROM (SELECT seq, {_ENTITY_SQL} AS entity_id, causation FROM events WHERE seq > {after})
+                SELECT seq, entity_id, {store_ids.NODE_SQL.format("entity_id")} AS node, causation
+                FROM (SELECT seq, {store_ids.ENTITY_SQL} AS entity_id, causation FROM events WHERE seq > {after})
                 """
             ).to_arrow_table()
         if new.num_rows == 0:
@@ -1381,7 +747,7 @@ class DuckDBEventStore(EventStore):
             f"""
             SELECT entity_id AS name, node FROM _new_events
             UNION
-            SELECT name, {_NODE_SQL.format("name")}
+            SELECT name, {store_ids.NODE_SQL.format("name")}
             FROM (SELECT DISTINCT unnest(causation) AS name FROM _new_events) WHERE name IS NOT NULL
             """
         ).to_arrow_table()
@@ -1433,7 +799,7 @@ class DuckDBEventStore(EventStore):
     def _project_lineage(con: duckdb.DuckDBPyConnection, any_old_entity: bool) -> None:
         """lineage_links: one row per (child, parent) node pair, from each event's causation."""
         edges = f"""
-            SELECT child, {_NODE_SQL.format("parent")} AS parent, seq FROM (
+            SELECT child, {store_ids.NODE_SQL.format("parent")} AS parent, seq FROM (
                 SELECT child, parent, min(seq) AS seq FROM (
                     SELECT node AS child, entity_id, unnest(causation) AS parent, seq FROM _new_events
                 ) WHERE parent IS NOT NULL AND parent <> entity_id
@@ -1484,7 +850,7 @@ class DuckDBEventStore(EventStore):
                 WHERE n <> d OR lo <> 1 OR hi <> n""",
             "entity_index disagrees with events": f"""
                 SELECT count(*) > 0 FROM (
-                    SELECT {_NODE_SQL.format(_ENTITY_SQL)} AS node,
+                    SELECT {store_ids.NODE_SQL.format(store_ids.ENTITY_SQL)} AS node,
                            min(seq) AS first_seq, max(seq) AS last_seq, count(*) AS n_events
                     FROM events GROUP BY 1) e
                 FULL JOIN entity_index i USING (node)
@@ -1493,7 +859,7 @@ class DuckDBEventStore(EventStore):
             "duplicate lineage edges": "SELECT count(*) <> count(DISTINCT (child, parent)) FROM lineage_links",
             "entity names or node ids not unique, or a node id not its name's": f"""
                 SELECT count(*) <> count(DISTINCT node) OR count(*) <> count(DISTINCT name)
-                       OR bool_or(node <> {_NODE_SQL.format("name")}) FROM entity_names""",
+                       OR bool_or(node <> {store_ids.NODE_SQL.format("name")}) FROM entity_names""",
             "an entity or lineage edge without a name": """
                 SELECT count(*) > 0 FROM (
                     SELECT node FROM entity_index UNION ALL SELECT child FROM lineage_links
@@ -1575,7 +941,7 @@ class DuckDBEventStore(EventStore):
                    i.n_events, e.payload
             FROM entity_index i JOIN events e ON e.seq = i.last_seq
             JOIN entity_names n ON n.node = i.node AND n.name = ?::VARCHAR
-            WHERE i.node = {_NODE_SQL.format("?::VARCHAR")}
+            WHERE i.node = {store_ids.NODE_SQL.format("?::VARCHAR")}
             """,
             [entity_id, entity_id, entity_id, entity_id],
         )  # the name too: another name may hold this node id (a collision the append refused)
@@ -1644,7 +1010,7 @@ class DuckDBEventStore(EventStore):
         rows = self._with_keys(pa.array(list(entity_ids), pa.string()),
                                "SELECT n.name, e.payload::VARCHAR, e.stream_version FROM entity_index i "
                                "JOIN entity_names n ON n.node = i.node JOIN events e ON e.seq = i.last_seq "
-                               f"WHERE i.node IN (SELECT {_NODE_SQL.format('k')} FROM _fw_keys)", one=False)
+                               f"WHERE i.node IN (SELECT {store_ids.NODE_SQL.format('k')} FROM _fw_keys)", one=False)
         wanted = set(entity_ids)
         return {name: (state, int(v)) for name, state, v in rows if name in wanted}
 
@@ -1700,10 +1066,10 @@ class DuckDBEventStore(EventStore):
         """Ancestors (``down``: what it was made from) or descendants (``up``: what it made)."""
         if direction not in ("down", "up"):
             raise ValueError("direction must be 'down' or 'up'")
-        return [tuple(r) for r in self._q(_sql(f"queries/lineage_{direction}.sql"), [entity_id, max_depth])]
+        return [tuple(r) for r in self._q(read_sql(f"queries/lineage_{direction}.sql"), [entity_id, max_depth])]
 
     def lineage_edges(self, entity_id: str, max_depth: int = 64) -> list[tuple[str, str]]:
-        return [tuple(r) for r in self._q(_sql("queries/lineage_edges_down.sql"), [entity_id, max_depth])]
+        return [tuple(r) for r in self._q(read_sql("queries/lineage_edges_down.sql"), [entity_id, max_depth])]
 
     # -- export ------------------------------------------------------------------------------
     def _table_batches(self, table: str) -> pa.RecordBatchReader:
@@ -1713,14 +1079,3 @@ class DuckDBEventStore(EventStore):
             return self._qa(f"SELECT * FROM {table}").to_reader()
         return self._rcon().sql(f"SELECT * FROM {table}").to_arrow_reader()
 
-
-def open_store(cfg: FlywheelConfig, **kw: Any) -> EventStore:
-    """Open the configured event store: the PostgreSQL database of ``store.url`` when set, else the
-    embedded ``warehouse`` file (creating the home directory, 0700)."""
-    cfg.ensure_home()
-    url = cfg.store.url
-    if url:
-        kw.pop("recover_wal", None)
-        return EventStore(url, read_only=kw.pop("read_only", False))
-    kw.setdefault("open_timeout_s", cfg.store.open_timeout_s)
-    return EventStore(cfg.warehouse, **kw)

@@ -1,6 +1,6 @@
 """The event store on PostgreSQL (team mode: ``store.url = "postgresql://..."``).
 
-Same contract as the embedded store (:mod:`flywheel.store`); what differs is how it is kept:
+Same contract as the embedded store (:mod:`flywheel.store`, :mod:`flywheel.store.local`); what differs is how it is kept:
 
 - Uniqueness is the server's: PRIMARY KEY (seq), UNIQUE (stream, stream_version)
   (``warehouse/postgres/001_events.sql``), so any number of writers on any number of machines share
@@ -50,9 +50,10 @@ import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flywheel.store import local as _store
 from flywheel.events import CATALOG
-from flywheel.store.local import (
+from flywheel.store import ids as store_ids
+from flywheel.store.batch import expected_of, normalise_batch, plan_append, small_rows
+from flywheel.store.contract import (
     EXPORT_TABLES,
     SMALL_APPEND,
     AppendResult,
@@ -60,16 +61,10 @@ from flywheel.store.local import (
     InvalidEventError,
     StoreError,
     StoreUnavailableError,
-    _migrations,
-    _small_rows,
-    _split_sql,
-    _sql,
-    event_id_sql,
-    normalise_batch,
-    plan_append,
     redact_url,
-    signed_node_id,
 )
+from flywheel.store.ids import event_id_sql, signed_node_id
+from flywheel.store.schema import migrations, read_sql, split_sql
 
 # Tries of a batch append that lost a race with another writer creating the same entity.
 APPEND_ATTEMPTS = 5
@@ -265,10 +260,10 @@ class PostgresEventStore(EventStore):
             con.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT, "
                         "applied_at TIMESTAMPTZ DEFAULT now())")
             done = {r[0] for r in con.execute("SELECT version FROM schema_migrations").fetchall()}
-            for version, name, script in _migrations("postgres"):
+            for version, name, script in migrations("postgres"):
                 if version in done:
                     continue
-                for stmt in _split_sql(script):
+                for stmt in split_sql(script):
                     con.execute(stmt)
                 con.execute("INSERT INTO schema_migrations (version, name) VALUES (%s, %s)", [version, name])
 
@@ -340,7 +335,7 @@ class PostgresEventStore(EventStore):
             raise StoreError(f"event store {self.location} is open read-only; appends need a writable store")
         batch = normalise_batch(table, validated)
         if batch.num_rows <= SMALL_APPEND:
-            rows = _small_rows(batch)
+            rows = small_rows(batch)
             if rows is not None:
                 # Held the lock and waited on a name a batch had copied before asking for it: aborted by
                 # the server to break the deadlock.
@@ -441,7 +436,7 @@ class PostgresEventStore(EventStore):
                     return AppendResult(rejected=list(rejected.values()))
                 mentioned = {n for r in rows for n in (r.entity, *r.causation)}
                 names = {n: v for n, v in names.items() if n in mentioned}
-                expected_versions = _store.expected_of(expected_versions, {r.stream for r in rows})
+                expected_versions = expected_of(expected_versions, {r.stream for r in rows})
         known = [(st, v, ids) for kind, st, v, ids in found if kind == 1 and v is not None]
         plan = plan_append(pa.array([r.stream for r in rows], pa.string()), pa.array([r.event_id for r in rows], pa.string()),
                            pa.array([k[0] for k in known], pa.string()), pa.array([k[1] for k in known], pa.int64()),
@@ -511,13 +506,13 @@ class PostgresEventStore(EventStore):
 
     def _prepare(self, batch: pa.Table) -> pa.Table:
         """Event ids, entity ids, node ids (signed) and the causation's node ids, computed in DuckDB."""
-        node = _store._NODE_SQL  # read at call time: one definition of the node id for both backends
+        node = store_ids.NODE_SQL  # read at call time: one definition of the node id for both backends
         self._calc.register("_b", batch)
         try:
             out = self._calc.sql(
                 f"""
                 SELECT i, event_id, entity, {node.format("entity")} AS node, pnodes FROM (
-                    SELECT _i AS i, {event_id_sql()} AS event_id, {_store._ENTITY_SQL} AS entity,
+                    SELECT _i AS i, {event_id_sql()} AS event_id, {store_ids.ENTITY_SQL} AS entity,
                            list_transform(causation, lambda x: {node.format("x")}) AS pnodes
                     FROM _b)
                 ORDER BY i
@@ -610,7 +605,7 @@ class PostgresEventStore(EventStore):
             names = _names_of(batch, cols)
             if not batch.num_rows:
                 return AppendResult(rejected=list(rejected.values()))
-            expected_versions = _store.expected_of(expected_versions, set(batch.column("stream").to_pylist()))
+            expected_versions = expected_of(expected_versions, set(batch.column("stream").to_pylist()))
         n_rows = batch.num_rows
         streams = batch.column("stream")
         ids = cols.column("event_id")
@@ -957,13 +952,13 @@ class PostgresEventStore(EventStore):
             raise ValueError("direction must be 'down' or 'up'")
         params = {"node": signed_node_id(entity_id), "name": entity_id, "depth": int(max_depth)}
         if direction == "up":
-            return [tuple(r) for r in self._q(_sql("postgres/queries/lineage_up.sql"), params)]
+            return [tuple(r) for r in self._q(read_sql("postgres/queries/lineage_up.sql"), params)]
         # one row per depth, its ancestors' names sorted (see the query)
-        return [(name, depth) for depth, names in self._q(_sql("postgres/queries/lineage_down.sql"), params)
+        return [(name, depth) for depth, names in self._q(read_sql("postgres/queries/lineage_down.sql"), params)
                 for name in names]
 
     def lineage_edges(self, entity_id: str, max_depth: int = 64) -> list[tuple[str, str]]:
-        return [tuple(r) for r in self._q(_sql("postgres/queries/lineage_edges_down.sql"),
+        return [tuple(r) for r in self._q(read_sql("postgres/queries/lineage_edges_down.sql"),
                                           {"node": signed_node_id(entity_id), "name": entity_id, "depth": int(max_depth)})]
 
     # -- migration from the embedded store ------------------------------------------------------

@@ -45,13 +45,16 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import duckdb
 import pyarrow as pa
 
-from flywheel.store import local as _store
+from flywheel.store import contract
+from flywheel.store.batch import normalise_batch
+from flywheel.store.contract import AppendResult, ConcurrencyError, StoreError, StoreUnavailableError
 
 REQUEST_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 5.0
@@ -79,7 +82,7 @@ def socket_path(db: str | os.PathLike[str]) -> str:
     os.makedirs(d, mode=0o700, exist_ok=True)
     st = os.stat(d)
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise _store.StoreError(f"{d} must be a private directory of this user (mode 0700) to hold the store's socket")
+        raise StoreError(f"{d} must be a private directory of this user (mode 0700) to hold the store's socket")
     return os.path.join(d, hashlib.sha256(real.encode()).hexdigest()[:24] + ".sock")
 
 
@@ -130,7 +133,7 @@ def _from_ipc(body: bytes) -> pa.Table:
 
 def _error_header(e: BaseException) -> dict[str, Any]:
     err: dict[str, Any] = {"type": type(e).__name__, "module": type(e).__module__, "message": str(e)}
-    if isinstance(e, _store.ConcurrencyError):
+    if isinstance(e, ConcurrencyError):
         err["fields"] = {"stream": e.stream, "expected": e.expected, "actual": e.actual}
     return {"error": err}
 
@@ -142,8 +145,8 @@ def _raise_error(err: dict[str, Any]) -> None:
     name, msg = err.get("type", "StoreError"), err.get("message", "")
     if name == "ConcurrencyError":
         f = err["fields"]
-        raise _store.ConcurrencyError(f["stream"], f["expected"], f["actual"])
-    for mod in (_store, events):
+        raise ConcurrencyError(f["stream"], f["expected"], f["actual"])
+    for mod in (contract, events):
         cls = getattr(mod, name, None)
         if isinstance(cls, type) and issubclass(cls, Exception):
             raise cls(msg)
@@ -152,10 +155,26 @@ def _raise_error(err: dict[str, Any]) -> None:
         raise cls(msg)
     if name in ("ValueError", "TypeError", "KeyError"):
         raise {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError}[name](msg)
-    raise _store.StoreError(f"the process owning the store failed: {name}: {msg}")
+    raise StoreError(f"the process owning the store failed: {name}: {msg}")
 
 
 # -- the owner ----------------------------------------------------------------------------------------
+class ServedStore(Protocol):
+    """What the owner needs of the store that answers clients (a ``DuckDBEventStore`` that does not
+    serve: :mod:`flywheel.store.local` passes one in, this module does not import it)."""
+
+    def open_cursor(self) -> Any: ...
+
+    def drop_thread_cursor(self) -> None: ...
+
+    def append_local(self, batch: pa.Table, correlation_id: str | None,
+                     expected_versions: dict[str, int] | None) -> AppendResult: ...
+
+    def rebuild_projections(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
 class Owner:
     """The socket server of one warehouse file in the owning process (one per file per process,
     shared by every store of the process on that file and stopped when the last one closes)."""
@@ -163,13 +182,13 @@ class Owner:
     _registry: dict[str, Owner] = {}
     _guard = threading.Lock()
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, open_served: Callable[[Path], ServedStore]):
         self.path = Path(path)
         self.sock_path = socket_path(path)
         self.refs = 0
         # A store of its own (same DuckDB instance: the process already holds the file) whose cursors
         # answer clients; its appends take the per-file lock every store of this process takes.
-        self.store = _store.DuckDBEventStore(path, serve=False)
+        self.store = open_served(path)
         self._stopping = False
         self._cond = threading.Condition()
         self._inflight = 0
@@ -192,12 +211,14 @@ class Owner:
         self._acceptor.start()
 
     @classmethod
-    def register(cls, path: Path) -> Owner:
+    def register(cls, path: Path, open_served: Callable[[Path], ServedStore]) -> Owner:
+        """The owner of this file in this process (started on first use: ``open_served(path)`` opens
+        the store that answers clients, on the file this process holds)."""
         key = os.path.realpath(path)
         with cls._guard:
             owner = cls._registry.get(key)
             if owner is None:
-                owner = cls(path)
+                owner = cls(path, open_served)
                 cls._registry[key] = owner
             owner.refs += 1
             return owner
@@ -273,8 +294,7 @@ class Owner:
                 try:
                     header, body = msg
                     if cursor is None and header.get("op") == "query":
-                        with self.store._cursor_guard:
-                            cursor = self.store.con.cursor()
+                        cursor = self.store.open_cursor()
                     try:
                         reply, out = self._handle(header, body, cursor)
                     except Exception as e:  # noqa: BLE001 - every error goes back to the client
@@ -291,7 +311,7 @@ class Owner:
                 self._conns.discard(conn)
             if cursor is not None:
                 cursor.close()
-            self.store._drop_thread_cursor()
+            self.store.drop_thread_cursor()
             conn.close()
 
     def _handle(self, header: dict[str, Any], body: bytes, cursor: Any) -> tuple[dict[str, Any], bytes | pa.Buffer]:
@@ -302,18 +322,18 @@ class Owner:
             sql = header["sql"]
             kinds = {s.type for s in duckdb.extract_statements(sql)}
             if kinds - {duckdb.StatementType.SELECT}:
-                raise _store.StoreError("only SELECT statements can be run through the process that owns the store")
+                raise StoreError("only SELECT statements can be run through the process that owns the store")
             params = header.get("params")
             rel = cursor.sql(sql, params=params) if params is not None else cursor.sql(sql)
             table = rel.to_arrow_table() if rel is not None else pa.table({})
             return {"ok": True}, _to_ipc(table)
         if op == "append_batch":
-            batch = _store.normalise_batch(_from_ipc(body), validated=True)
-            res = self.store._append_local(batch, header.get("correlation_id"), header.get("expected_versions"))
+            batch = normalise_batch(_from_ipc(body), validated=True)
+            res = self.store.append_local(batch, header.get("correlation_id"), header.get("expected_versions"))
             return {"ok": True, "result": res.to_dict()}, b""
         if op == "rebuild":
             return {"ok": True, "result": self.store.rebuild_projections()}, b""
-        raise _store.StoreError(f"unknown request {op!r}")
+        raise StoreError(f"unknown request {op!r}")
 
 
 # -- clients ------------------------------------------------------------------------------------------
@@ -344,7 +364,7 @@ class Client:
             uid = os.getuid()
         if uid != os.getuid():
             s.close()
-            raise _store.StoreError(
+            raise StoreError(
                 f"the store socket {path} is served by another user (uid {uid}): refusing to send this "
                 f"store's reads and appends to it; remove the socket or keep the warehouse in a private "
                 f"directory")
@@ -371,7 +391,7 @@ class Client:
                 # The answer may still come: a connection with a request in flight would hand it to the
                 # next request, so this one is dropped (the next request re-attaches).
                 self._drop()
-                raise _store.StoreUnavailableError(
+                raise StoreUnavailableError(
                     f"the process owning the store (PID {self.owner_pid}) did not answer within "
                     f"{REQUEST_TIMEOUT_S:.0f} s") from None
             except OSError as e:
@@ -393,10 +413,10 @@ class Client:
         return RemoteResult(_from_ipc(body))
 
     def append_batch(self, table: pa.Table, *, correlation_id: str | None,
-                     expected_versions: dict[str, int] | None) -> _store.AppendResult:
+                     expected_versions: dict[str, int] | None) -> AppendResult:
         reply, _ = self.request({"op": "append_batch", "correlation_id": correlation_id,
                                  "expected_versions": expected_versions}, _to_ipc(table))
-        return _store.AppendResult(**reply["result"])
+        return AppendResult(**reply["result"])
 
     def call(self, op: str) -> Any:
         reply, _ = self.request({"op": op})
@@ -454,7 +474,7 @@ class RemoteConnection:
         return self
 
     def register(self, *_a: Any, **_k: Any) -> None:
-        raise _store.StoreError("another process owns the warehouse: Arrow tables cannot be registered from here")
+        raise StoreError("another process owns the warehouse: Arrow tables cannot be registered from here")
 
     unregister = register
 

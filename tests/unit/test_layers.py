@@ -50,7 +50,7 @@ def run_contracts(staged_root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_tree_keeps_every_layer_contract(tmp_path):
     res = run_contracts(stage_tree(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "3 kept, 0 broken" in res.stdout
+    assert "4 kept, 0 broken" in res.stdout
 
 
 def test_staging_sees_the_packages_mapped_from_other_folders(tmp_path):
@@ -64,6 +64,12 @@ def test_staging_sees_the_packages_mapped_from_other_folders(tmp_path):
     [
         # core importing a face
         ("store/local.py", "import flywheel.cli", "flywheel.store is not allowed to import flywheel.cli"),
+        # inside the event store: the base class importing a backend (the cycle the package's layers forbid)
+        ("store/contract.py", "from flywheel.store.local import DuckDBEventStore",
+         "flywheel.store.contract is not allowed to import flywheel.store.local"),
+        # the DuckDB backend importing the PostgreSQL one (the backends are independent)
+        ("store/local.py", "from flywheel.store.postgres import PostgresEventStore",
+         "flywheel.store.local is not allowed to import flywheel.store.postgres"),
         # a stage importing another stage (lazily: function-level imports count)
         ("rollouts.py", "from flywheel.gate import run_gate", "flywheel.rollouts is not allowed to import flywheel.gate"),
         # a face in flows/ (mapped from another folder) imported by core

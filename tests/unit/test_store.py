@@ -276,7 +276,8 @@ def test_reopen_keeps_events_and_continues_numbering(store_location):
 
 def test_migrates_a_warehouse_created_by_migration_001(cfg):
     """A warehouse made with the indexed 001 schema is rebuilt by 002 with its rows intact."""
-    from flywheel.store.local import _migrations, _split_sql
+    from flywheel.store.schema import migrations as _migrations
+    from flywheel.store.schema import split_sql as _split_sql
 
     version, name, script = _migrations()[0]
     con = duckdb.connect(str(cfg.warehouse))
@@ -297,7 +298,8 @@ def test_migrates_a_warehouse_created_by_migration_001(cfg):
 
 def test_migrations_003_004_turn_entities_and_edges_into_views(cfg):
     """A warehouse at 002 keeps every entity (state now read from events) and every edge (now by node id)."""
-    from flywheel.store.local import _migrations, _split_sql
+    from flywheel.store.schema import migrations as _migrations
+    from flywheel.store.schema import split_sql as _split_sql
 
     con = duckdb.connect(str(cfg.warehouse))
     con.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name VARCHAR, applied_at TIMESTAMPTZ DEFAULT now())")

@@ -2,8 +2,8 @@
 name holds must cost only the records that mention it, on both backends.
 
 A real 64-bit MD5 collision cannot be found, so ``collide(a, b)`` makes the node function give ``b``
-the node id of ``a`` everywhere it is computed: Python (:func:`flywheel.store.node_id`), DuckDB SQL
-(``flywheel.store._NODE_SQL``, which the PostgreSQL backend's batch step uses too) and, on a
+the node id of ``a`` everywhere it is computed: Python (:func:`flywheel.store.ids.node_id`), DuckDB SQL
+(``flywheel.store.ids.NODE_SQL``, which the PostgreSQL backend's batch step uses too) and, on a
 PostgreSQL store, the server's ``flywheel_node``.
 """
 
@@ -28,13 +28,13 @@ from flywheel.store import (
 
 @pytest.fixture
 def collide(monkeypatch):
-    import flywheel.store.local as st
+    import flywheel.store.ids as st
 
     def make(a: str, b: str, store: EventStore) -> None:
         orig = st.node_id
         monkeypatch.setattr(st, "node_id", lambda n: orig(a if n == b else n))
         # the column once (it may be a ? parameter): through a one-element list
-        monkeypatch.setattr(st, "_NODE_SQL", "(md5_number(list_transform([({0})], lambda n_: CASE WHEN n_ = "
+        monkeypatch.setattr(st, "NODE_SQL", "(md5_number(list_transform([({0})], lambda n_: CASE WHEN n_ = "
                                              f"'{b}' THEN '{a}' ELSE n_ END)[1]) >> 64)::UBIGINT")
         if store.backend == "postgresql":
             with psycopg.connect(store.url, autocommit=True) as con:

@@ -20,8 +20,9 @@ from flywheel.store import (
     canonical_json,
     signed_node_id,
 )
-from flywheel.store.local import _migrations, _split_sql
 from flywheel.store.postgres import PostgresEventStore
+from flywheel.store.schema import migrations as _migrations
+from flywheel.store.schema import split_sql as _split_sql
 
 
 def _store_at_001(url: str) -> None:

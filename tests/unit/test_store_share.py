@@ -1,4 +1,4 @@
-"""The embedded store shared between the processes of one machine (flywheel/store_share.py): what a
+"""The embedded store shared between the processes of one machine (flywheel/store/share.py): what a
 client does when the owner is slow, gone or not who it should be, and how a lock conflict that DuckDB
 reports without naming its holder is read."""
 
@@ -14,9 +14,9 @@ import duckdb
 import pyarrow as pa
 import pytest
 
+from flywheel.store import EventStore, NewEvent, StoreError, StoreUnavailableError
 from flywheel.store import local as store_mod
 from flywheel.store import share as store_share
-from flywheel.store import EventStore, NewEvent, StoreError, StoreUnavailableError
 from flywheel.store.share import Client, OwnerGone, _recv, _send, _to_ipc, socket_path
 
 
