@@ -183,4 +183,3 @@ def plan_small(rows: Sequence[SmallRow], known: dict[str, tuple[int, set[str]]],
             next_version[r.stream] = next_version.get(r.stream, 0) + 1
             versions.append(next_version[r.stream])
     return fresh, versions
-

@@ -434,4 +434,3 @@ class EventStore:
         """Cap the store's buffer memory in this process while the block runs (embedded owner only;
         elsewhere a no-op)."""
         yield
-

@@ -46,4 +46,3 @@ def signed_node_id(name: str) -> int:
 def compute_event_id(type_: str, stream: str, payload: dict[str, Any] | str) -> str:
     body = payload if isinstance(payload, str) else canonical_json(payload)
     return "ev_" + hashlib.sha256(f"{type_}\x1f{stream}\x1f{body}".encode()).hexdigest()[:32]
-

@@ -319,7 +319,8 @@ class DuckDBEventStore(EventStore):
     def open_cursor(self) -> duckdb.DuckDBPyConnection:
         """A new cursor of the owning process's connection, for a client's reads (the caller closes it)."""
         with self._cursor_guard:
-            return self.con.cursor()
+            cur: duckdb.DuckDBPyConnection = self.con.cursor()
+        return cur
 
     def drop_thread_cursor(self) -> None:
         """Close the calling thread's read cursor (threads that end: the owner's socket threads)."""
@@ -331,7 +332,7 @@ class DuckDBEventStore(EventStore):
                     self._cursors.remove(cur)
             cur.close()
 
-    def _q(self, sql: str, params: Any = None) -> list[tuple]:
+    def _q(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         """Rows of a read query, in this process or through the owner (retried if the owner changes)."""
         while True:
             con = self._rcon()
@@ -872,7 +873,7 @@ class DuckDBEventStore(EventStore):
         tables = {"events": "events", "streams": "streams", "entities": "entity_index", "lineage_edges": "lineage_links"}
         return {name: self._q(f"SELECT count(*) FROM {t}")[0][0] for name, t in tables.items()}
 
-    def projection_rows(self) -> dict[str, list[tuple]]:
+    def projection_rows(self) -> dict[str, list[tuple[Any, ...]]]:
         """Every row of the projections as people read them (``streams``, ``entities``,
         ``lineage_edges``), sorted, with JSON as text: what rebuilt == incremental compares."""
         return {
@@ -905,7 +906,8 @@ class DuckDBEventStore(EventStore):
             sql += f" LIMIT {int(limit)}"
         return [self._event_from_row(r) for r in self._q(sql, params)]
 
-    def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None, limit: int | None = None) -> pa.Table:
+    def read_arrow(self, stream: str | None = None, types: Sequence[str] | str | None = None, after_seq: int | None = None,
+                   correlation_id: str | None = None, limit: int | None = None) -> pa.Table:
         where, params = self._where(stream, types, after_seq, correlation_id)
         sql = f"SELECT * FROM events {where} ORDER BY seq"
         if limit is not None:
@@ -913,8 +915,10 @@ class DuckDBEventStore(EventStore):
         return self._qa(sql, params)
 
     @staticmethod
-    def _where(stream, types, after_seq, correlation_id) -> tuple[str, list[Any]]:
-        clauses, params = [], []
+    def _where(stream: str | None, types: Sequence[str] | str | None, after_seq: int | None,
+               correlation_id: str | None) -> tuple[str, list[Any]]:
+        clauses: list[str] = []
+        params: list[Any] = []
         if stream is not None:
             if stream.endswith("*"):
                 clauses.append("starts_with(stream, ?)")
@@ -1078,4 +1082,3 @@ class DuckDBEventStore(EventStore):
         if self._remote is not None:
             return self._qa(f"SELECT * FROM {table}").to_reader()
         return self._rcon().sql(f"SELECT * FROM {table}").to_arrow_reader()
-

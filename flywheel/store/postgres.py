@@ -57,6 +57,7 @@ from flywheel.store.contract import (
     EXPORT_TABLES,
     SMALL_APPEND,
     AppendResult,
+    Event,
     EventStore,
     InvalidEventError,
     StoreError,
@@ -314,8 +315,9 @@ class PostgresEventStore(EventStore):
                     deadline = deadline or time.monotonic() + RECONNECT_TIMEOUT_S
                     self._reconnect(deadline)
 
-    def _q(self, sql: str, params: Any = None) -> list[tuple]:
-        return self._retrying(lambda: self.con.execute(sql, params).fetchall())
+    def _q(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        rows: list[tuple[Any, ...]] = self._retrying(lambda: self.con.execute(sql, params).fetchall())
+        return rows
 
     # -- appending ---------------------------------------------------------------------------
     def append_batch(
@@ -339,15 +341,17 @@ class PostgresEventStore(EventStore):
             if rows is not None:
                 # Held the lock and waited on a name a batch had copied before asking for it: aborted by
                 # the server to break the deadlock.
-                return self._transaction(lambda: self._append_small(rows, correlation_id, expected_versions),
-                                         psycopg.errors.DeadlockDetected)
+                small: AppendResult = self._transaction(
+                    lambda: self._append_small(rows, correlation_id, expected_versions), psycopg.errors.DeadlockDetected)
+                return small
         cols = self._prepare(batch)
         try:
             # Another writer created one of this batch's streams, entities, names or edges between the
             # lookups and the copy, or the lock's holder (a small append, a rebuild) waited on the names this
             # batch copied before asking for the lock and the server aborted this batch: look again.
-            return self._transaction(lambda: self._append_tx(batch, cols, correlation_id, expected_versions),
-                                     (psycopg.errors.UniqueViolation, psycopg.errors.DeadlockDetected))
+            res: AppendResult = self._transaction(lambda: self._append_tx(batch, cols, correlation_id, expected_versions),
+                                                  (psycopg.errors.UniqueViolation, psycopg.errors.DeadlockDetected))
+            return res
         except psycopg.errors.InvalidTextRepresentation as e:
             raise InvalidEventError(f"append_batch: a payload is not valid JSON ({e}); nothing was appended") from None
 
@@ -787,7 +791,7 @@ class PostgresEventStore(EventStore):
         tables = {"events": "events", "streams": "streams", "entities": "entity_index", "lineage_edges": "lineage_links"}
         return {name: self._q(f"SELECT count(*) FROM {t}")[0][0] for name, t in tables.items()}
 
-    def projection_rows(self) -> dict[str, list[tuple]]:
+    def projection_rows(self) -> dict[str, list[tuple[Any, ...]]]:
         c = 'COLLATE "C"'
         return {
             "streams": [tuple(r) for r in self._q(f"SELECT stream, version FROM streams ORDER BY stream {c}")],
@@ -803,11 +807,14 @@ class PostgresEventStore(EventStore):
                    "recorded_at, schema_version")
 
     def stream_version(self, stream: str) -> int:
-        return self._q("SELECT coalesce(max(stream_version), 0) FROM events WHERE stream = %s", [stream])[0][0]
+        version: int = self._q("SELECT coalesce(max(stream_version), 0) FROM events WHERE stream = %s", [stream])[0][0]
+        return version
 
     @staticmethod
-    def _where(stream, types, after_seq, correlation_id) -> tuple[str, list[Any]]:
-        clauses, params = [], []
+    def _where(stream: str | None, types: Sequence[str] | str | None, after_seq: int | None,
+               correlation_id: str | None) -> tuple[str, list[Any]]:
+        clauses: list[str] = []
+        params: list[Any] = []
         if stream is not None:
             if stream.endswith("*"):
                 clauses.append("starts_with(stream, %s)")
@@ -827,14 +834,15 @@ class PostgresEventStore(EventStore):
         return ("WHERE " + " AND ".join(clauses)) if clauses else "", params
 
     def read(self, stream: str | None = None, types: Sequence[str] | str | None = None, after_seq: int | None = None,
-             limit: int | None = None, correlation_id: str | None = None, newest_first: bool = False) -> list:
+             limit: int | None = None, correlation_id: str | None = None, newest_first: bool = False) -> list[Event]:
         where, params = self._where(stream, types, after_seq, correlation_id)
         sql = f"SELECT {self._EVENT_COLS} FROM events {where} ORDER BY seq {'DESC' if newest_first else ''}"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         return [self._event_from_row(r) for r in self._q(sql, params)]
 
-    def read_arrow(self, stream=None, types=None, after_seq=None, correlation_id=None, limit: int | None = None) -> pa.Table:
+    def read_arrow(self, stream: str | None = None, types: Sequence[str] | str | None = None, after_seq: int | None = None,
+                   correlation_id: str | None = None, limit: int | None = None) -> pa.Table:
         where, params = self._where(stream, types, after_seq, correlation_id)
         sql = f"SELECT {self._EVENT_COLS} FROM events {where} ORDER BY seq"
         if limit is not None:
@@ -891,7 +899,8 @@ class PostgresEventStore(EventStore):
             "JOIN entity_names n ON n.node = i.node GROUP BY 1 ORDER BY 1"))
 
     def last_seq(self) -> int:
-        return self._q("SELECT coalesce(max(seq), 0) FROM events")[0][0]
+        seq: int = self._q("SELECT coalesce(max(seq), 0) FROM events")[0][0]
+        return seq
 
     def latest_entity_id(self, prefix: str) -> str | None:
         rows = self._q(
@@ -993,11 +1002,12 @@ class PostgresEventStore(EventStore):
             with cur.copy("COPY events (seq, event_id, stream, stream_version, type, payload, causation, "
                           "correlation_id, recorded_at, schema_version) FROM STDIN") as cp:
                 cp.write(text.encode())
-        return t.num_rows
+        n: int = t.num_rows
+        return n
 
 
 # -- copying an embedded store to a server ----------------------------------------------------------
-def _comparable(t: pa.Table) -> list[tuple]:
+def _comparable(t: pa.Table) -> list[tuple[Any, ...]]:
     """Rows of an events table in a form both backends agree on (instants as UTC microseconds)."""
     t = t.select(EVENTS_ARROW.names)
     cols = []

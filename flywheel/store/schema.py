@@ -26,4 +26,3 @@ def split_sql(script: str) -> list[str]:
     """The statements of a script, its ``--`` comment lines left out."""
     body = "\n".join(line for line in script.splitlines() if not line.strip().startswith("--"))
     return [s.strip() for s in body.split(";") if s.strip()]
-

@@ -440,14 +440,14 @@ class RemoteResult:
     def __init__(self, table: pa.Table):
         self.table = table
 
-    def rows(self) -> list[tuple]:
+    def rows(self) -> list[tuple[Any, ...]]:
         cols = [c.to_pylist() for c in self.table.columns]
         return list(zip(*cols, strict=True)) if cols else []
 
-    def fetchall(self) -> list[tuple]:
+    def fetchall(self) -> list[tuple[Any, ...]]:
         return self.rows()
 
-    def fetchone(self) -> tuple | None:
+    def fetchone(self) -> tuple[Any, ...] | None:
         rows = self.rows()
         return rows[0] if rows else None
 
