@@ -125,6 +125,8 @@ class ScriptedPolicy:
 
 # ------------------------------------------------------------------------------ store fixtures
 def _h16(*parts: Any) -> str:
+    # Not canonical_json: default separators, ASCII escapes and default=str are what the content hashes
+    # of the failures tests build (and fixtures record) were made with.
     return short_id(json.dumps(parts, sort_keys=True, default=str))
 
 
