@@ -142,8 +142,8 @@ def attn_fwd_flops(lengths: list[int], mp: dict) -> float:
 def demo_samples(tok):
     from flywheel.train.demos import Demonstration
     from flywheel.train.sft import demonstration_samples
-    from flywheel.verifiers import ToolCall
     from flywheel.verifiers.bfcl import bfcl_answer_to_expected, load_bfcl
+    from flywheel.vocab import ToolCall
 
     items = load_bfcl("simple_python")[:4] + load_bfcl("multiple")[:2] + load_bfcl("parallel")[:2]
     demos = []

@@ -62,7 +62,7 @@ from flywheel.schemas.gx_suites import validate_frame
 from flywheel.schemas.preferences import PREFERENCE_SCHEMA, PREFERENCE_SOURCES
 from flywheel.store import EventStore, NewEvent
 from flywheel.train.demos import HELDOUT, Demonstration, HeldOutDemonstrationError, check_demonstrations
-from flywheel.verifiers import ToolCall
+from flywheel.vocab import ToolCall
 from flywheel.vocab.ids import canonical_json, content_id, json_id
 
 if TYPE_CHECKING:  # annotations only: these import torch
@@ -89,7 +89,7 @@ class PreferenceDataError(ValueError):
 class PreferencePair:
     """One prompt, the answer that should have been given, and one that was given and failed.
 
-    ``chosen_calls`` (a list of :class:`flywheel.verifiers.ToolCall`) or ``chosen_content`` (text);
+    ``chosen_calls`` (a list of :class:`flywheel.vocab.ToolCall`) or ``chosen_content`` (text);
     ``rejected_text`` is the failed answer as the policy wrote it (no end-of-turn token);
     ``source`` is ``production`` or ``sampled``; ``source_entity_id`` the eval (or synth batch) the
     pair comes from, which becomes the causation of the published dataset and the training run.
