@@ -61,10 +61,10 @@ from typing import Any
 import numpy as np
 
 from flywheel import evaluate
-from flywheel.artifacts import ArtifactStore
+from flywheel.artifacts import ArtifactRef, ArtifactStore
 from flywheel.champion import reconcile_champion
 from flywheel.config import FlywheelConfig, GateConfig
-from flywheel.evaluate import ModelRef, evaluate_model, parse_suite_spec
+from flywheel.evaluate import EvalResult, ModelRef, PolicyLoader, evaluate_model, parse_suite_spec
 from flywheel.stats import (
     POWER,
     PairedItem,
@@ -75,7 +75,7 @@ from flywheel.stats import (
 )
 from flywheel.store import EventStore, NewEvent
 from flywheel.tracking import DatasetSpec, Tracker
-from flywheel.versioning import load_suite, versioned_event
+from flywheel.versioning import Suite, load_suite, versioned_event
 from flywheel.vocab.ids import GATE_HEX, short_id
 from flywheel.vocab.refs import parse_model_entity
 
@@ -577,7 +577,7 @@ def render_markdown(decision: GateDecision) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# the stage
+# the stage: run_gate, a list of the steps below
 
 
 def _lineage_states(store: EventStore, entity_id: str | None) -> dict[str, dict[str, Any]]:
@@ -606,7 +606,7 @@ def _champion_ref(cfg: FlywheelConfig, tracker: Tracker, challenger_version: int
     return ModelRef.base(base)
 
 
-def _regression_summary(ch: Any, cp: Any | None, champion_present: bool) -> RegressionSummary:
+def _regression_summary(ch: EvalResult, cp: EvalResult | None, champion_present: bool) -> RegressionSummary:
     chr_ = ch.by_task()
     cpr = cp.by_task() if cp is not None else {}
     n = infra = failures = new = 0
@@ -627,7 +627,7 @@ def _regression_summary(ch: Any, cp: Any | None, champion_present: bool) -> Regr
     return RegressionSummary(ch.suite, n, failures, new, champion_present, infra, tuple(failed[:20]))
 
 
-def _load_suite(store: EventStore, artifacts: ArtifactStore, spec: Any, what: str) -> Any:
+def _load_suite(store: EventStore, artifacts: ArtifactStore, spec: Suite | str, what: str) -> Suite | None:
     """The suite ``spec`` names; ``None`` when no such version is recorded. A recorded suite whose
     artifact is missing, corrupt or malformed raises :class:`GateError`: a gate never decides (and
     a rule never passes) on a suite it could not read."""
@@ -645,29 +645,79 @@ def _load_suite(store: EventStore, artifacts: ArtifactStore, spec: Any, what: st
         raise GateError(f"{what} suite {spec!r} is recorded but unreadable: {type(e).__name__}: {e}") from None
 
 
-def run_gate(
-    cfg: FlywheelConfig,
-    store: EventStore,
-    artifacts: ArtifactStore,
-    tracker: Tracker,
-    model_version: int,
-    *,
-    suite: Any = None,
-    correlation_id: str | None = None,
-    policy_loader: Any = None,
-) -> GateDecision:
-    """Gate ``model:<[cycle] model_name>/<model_version>`` against the champion on ``suite``.
+# What passes between the steps of run_gate.
 
-    ``suite``: a suite object or spec (default: the latest version of ``[cycle] heldout_suite``).
-    The regression suite (``[cycle] regression_suite``, latest version) is used when one exists.
-    Appends one ``gate.decided`` event (``gate:<hash of the inputs>``, causation: challenger,
-    champion, suite versions, evaluations), writes ``<home>/reports/gate/<id>.md`` and logs it to an
-    MLflow run named ``gate``. Re-running with the same inputs returns the recorded decision
-    (``cached=True``) without evaluating or logging again.
 
-    Raises :class:`GateError` (or :class:`flywheel.evaluate.EvaluationError`) when the gate cannot be
-    evaluated; a refusal is a normal return with ``passed=False``.
-    """
+@dataclass(frozen=True)
+class _Contestants:
+    """The challenger ``model:<name>/<version>`` and the champion it must beat."""
+
+    name: str
+    version: int
+    challenger: ModelRef
+    champion: ModelRef
+
+
+@dataclass(frozen=True)
+class _GateSuites:
+    """The held-out suite the gate decides on, and the regression suite (``None``: none recorded)."""
+
+    heldout: Suite
+    heldout_id: str  # suite:<name>@N
+    heldout_name: str
+    regression: Suite | None
+
+
+@dataclass(frozen=True)
+class _RegressionEvaluations:
+    """Both models on the regression suite."""
+
+    suite: Suite
+    challenger: EvalResult
+    champion: EvalResult
+
+
+@dataclass(frozen=True)
+class _Evaluations:
+    """Both models on the held-out suite and, when the regression suite has items, on it."""
+
+    challenger: EvalResult
+    champion: EvalResult
+    regression: _RegressionEvaluations | None
+
+    @property
+    def regression_ids(self) -> list[str]:
+        r = self.regression
+        return [] if r is None else [r.challenger.evaluation_id, r.champion.evaluation_id]
+
+
+@dataclass(frozen=True)
+class _Pairing:
+    """The held-out items scored for both models, and what was kept out of the comparison."""
+
+    paired: tuple[PairedItem, ...]
+    infra_ids: tuple[str, ...]  # an infrastructure error on either side
+    nondeterministic: int
+    unpaired: int  # scored for one model only
+    contaminated: tuple[str, ...]  # share a cluster or origin failure with the training lineage
+
+
+@dataclass(frozen=True)
+class _Assessment:
+    """The evidence, every rule applied to it, and the outcome."""
+
+    pairing: _Pairing
+    evidence: GateEvidence
+    outcome: str
+    rules: tuple[RuleResult, ...]
+    include_nondeterministic: bool
+    training_failures: int  # failures the challenger's training data descends from
+
+
+# The steps of run_gate, in order.
+
+
+def _contestants(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, model_version: int) -> _Contestants:
     name = cfg.cycle.model_name
     version = int(model_version)
     try:
@@ -676,38 +726,53 @@ def run_gate(
         raise GateError(f"model:{name}/{version} is not a registered model version: {e}") from None
     challenger = ModelRef.registered(name, version)
     reconcile_champion(store, tracker, name)  # complete an interrupted promotion before comparing with it
-    champion = _champion_ref(cfg, tracker, version)
+    return _Contestants(name, version, challenger, _champion_ref(cfg, tracker, version))
 
+
+def _gate_suites(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, suite: Suite | str | None) -> _GateSuites:
     spec = suite if suite is not None else cfg.cycle.heldout_suite
-    suite_obj = _load_suite(store, artifacts, spec, "held-out")
-    if suite_obj is None:
+    heldout = _load_suite(store, artifacts, spec, "held-out")
+    if heldout is None:
         raise GateError(f"suite {spec!r} has no such version; run `flywheel evals build` first")
-    suite_id = str(suite_obj.entity_id)
+    suite_id = str(heldout.entity_id)
     heldout_name = parse_suite_spec(suite_id)[0]
     # No regression suite recorded yet: the rule says so. One recorded but unreadable: an error.
-    reg_suite = _load_suite(store, artifacts, cfg.cycle.regression_suite, "regression")
+    regression = _load_suite(store, artifacts, cfg.cycle.regression_suite, "regression")
+    return _GateSuites(heldout, suite_id, heldout_name, regression)
 
+
+def _evaluate(
+    cfg: FlywheelConfig,
+    store: EventStore,
+    artifacts: ArtifactStore,
+    tracker: Tracker,
+    models: _Contestants,
+    suites: _GateSuites,
+    policy_loader: PolicyLoader | None,
+    correlation_id: str | None,
+) -> _Evaluations:
     # Looked up on the module at call time, so a replaced flywheel.evaluate.default_policy_loader is used.
     base_loader = policy_loader or evaluate.default_policy_loader(cfg, tracker)
-    loaded: dict[Any, Any] = {}
+    loaded: dict[ModelRef, object] = {}
 
-    def load_once(ref: Any) -> Any:  # held-out and regression suites share one loaded model
+    def load_once(ref: ModelRef) -> object:  # held-out and regression suites share one loaded model
         if ref not in loaded:
             loaded[ref] = base_loader(ref)
         return loaded[ref]
 
-    kw = dict(policy_loader=load_once, correlation_id=correlation_id)
-    ch_eval = evaluate_model(cfg, store, artifacts, tracker, challenger, suite_obj, **kw)
-    cp_eval = evaluate_model(cfg, store, artifacts, tracker, champion, suite_obj, **kw)
-    ch_reg = cp_reg = None
-    if reg_suite is not None and len(list(reg_suite.tasks)) > 0:
-        ch_reg = evaluate_model(cfg, store, artifacts, tracker, challenger, reg_suite, **kw)
-        cp_reg = evaluate_model(cfg, store, artifacts, tracker, champion, reg_suite, **kw)
+    def on(model: ModelRef, suite: Suite) -> EvalResult:
+        return evaluate_model(cfg, store, artifacts, tracker, model, suite,
+                              policy_loader=load_once, correlation_id=correlation_id)
 
-    # ---- pair the held-out items
-    lineage = _lineage_states(store, challenger.entity_id)
-    training = training_signatures(lineage)
-    include_nd = bool(cfg.evals.include_llm_judge_in_gate)
+    ch_eval = on(models.challenger, suites.heldout)
+    cp_eval = on(models.champion, suites.heldout)
+    reg = suites.regression
+    if reg is None or len(list(reg.tasks)) == 0:
+        return _Evaluations(ch_eval, cp_eval, None)
+    return _Evaluations(ch_eval, cp_eval, _RegressionEvaluations(reg, on(models.challenger, reg), on(models.champion, reg)))
+
+
+def _pair_heldout(ch_eval: EvalResult, cp_eval: EvalResult, training: Mapping[str, Any], include_nd: bool) -> _Pairing:
     ch_rows, cp_rows = ch_eval.by_task(), cp_eval.by_task()
     paired: list[PairedItem] = []
     infra_ids: list[str] = []
@@ -729,51 +794,77 @@ def run_gate(
             contaminated.append(tid)
         paired.append(PairedItem(tid, bool(b["passed"]), bool(a["passed"]), labels))
     unpaired += sum(1 for tid in cp_rows if tid not in ch_rows)
+    return _Pairing(tuple(paired), tuple(infra_ids), nondet, unpaired, tuple(contaminated))
 
+
+def _assess(cfg: FlywheelConfig, store: EventStore, models: _Contestants, suites: _GateSuites,
+            evals: _Evaluations) -> _Assessment:
+    """Pair the held-out items, compute the evidence and apply the rules."""
+    lineage = _lineage_states(store, models.challenger.entity_id)
+    training = training_signatures(lineage)
+    include_nd = bool(cfg.evals.include_llm_judge_in_gate)
+    pairing = _pair_heldout(evals.challenger, evals.champion, training, include_nd)
     g = cfg.gate
+    paired = pairing.paired
     stats = paired_stats([p.champion for p in paired], [p.challenger for p in paired],
                          confidence=g.confidence, bootstrap_samples=g.bootstrap_samples, seed=g.seed)
-    boot = stats.boot
     slices = compute_slices(paired)
-    regression = _regression_summary(ch_reg, cp_reg, not champion.is_base) if ch_reg is not None else None
-    decon = assess_decontamination(lineage, suite_id, heldout_name, contaminated)
-    outcome, rules = decide(GateEvidence(stats, tuple(slices), regression, decon), g)
+    r = evals.regression
+    regression = _regression_summary(r.challenger, r.champion, not models.champion.is_base) if r is not None else None
+    decon = assess_decontamination(lineage, suites.heldout_id, suites.heldout_name, pairing.contaminated)
+    evidence = GateEvidence(stats, tuple(slices), regression, decon)
+    outcome, rules = decide(evidence, g)
+    return _Assessment(pairing, evidence, outcome, tuple(rules), include_nd, len(training["failures"]))
 
-    inputs = {
-        "challenger": ch_eval.evaluation_id, "champion": cp_eval.evaluation_id,
-        "regression": [e.evaluation_id for e in (ch_reg, cp_reg) if e is not None],
-        "gate": g.model_dump(), "include_nondeterministic": include_nd, "decontamination": decon.basis,
-    }
-    gate_id = gate_id_for(inputs)
-    report_dir = Path(cfg.home) / "reports" / "gate"
-    report_path = report_dir / f"{gate_id.split(':', 1)[1]}.md"
-    prior = store.read(stream=gate_id, types="gate.decided")
-    if prior:
-        return GateDecision.from_payload(prior[-1].payload, report_path if report_path.exists() else None)
 
-    if outcome == "passed":
-        reasons = [f"challenger beats champion: {_fmt(stats.challenger_rate)} vs {_fmt(stats.champion_rate)} on "
-                   f"{stats.n} items, {stats.wins} wins / {stats.losses} losses, p = {stats.p_value:.4g}"]
-    elif outcome == "insufficient_evidence":
-        reasons = [rules[0].reason] + [r.reason for r in rules[1:] if not r.passed and r.rule not in EVIDENCE_RULES]
-    else:
-        reasons = [r.reason for r in rules if not r.passed and r.rule != "min_paired_items"]
-    by_origin = {}
+def _gate_id(gate_cfg: GateConfig, evals: _Evaluations, a: _Assessment) -> str:
+    """``gate:<hash>`` of everything the decision depends on."""
+    return gate_id_for({
+        "challenger": evals.challenger.evaluation_id, "champion": evals.champion.evaluation_id,
+        "regression": evals.regression_ids,
+        "gate": gate_cfg.model_dump(), "include_nondeterministic": a.include_nondeterministic,
+        "decontamination": a.evidence.decontamination.basis,
+    })
+
+
+def _reasons(a: _Assessment) -> list[str]:
+    stats, rules = a.evidence.stats, a.rules
+    if a.outcome == "passed":
+        return [f"challenger beats champion: {_fmt(stats.challenger_rate)} vs {_fmt(stats.champion_rate)} on "
+                f"{stats.n} items, {stats.wins} wins / {stats.losses} losses, p = {stats.p_value:.4g}"]
+    if a.outcome == "insufficient_evidence":
+        return [rules[0].reason] + [r.reason for r in rules[1:] if not r.passed and r.rule not in EVIDENCE_RULES]
+    return [r.reason for r in rules if not r.passed and r.rule != "min_paired_items"]
+
+
+def _by_origin(slices: Sequence[SliceResult]) -> dict[str, dict[str, int | float]]:
+    """The fix rate (held-out production failures) and the keep rate (held-out successes)."""
+    by_origin: dict[str, dict[str, int | float]] = {}
     for key in ("failure", "success"):
         sl = next((x for x in slices if x.name == f"origin:{key}"), None)
         if sl is not None:
             by_origin[key] = {"n": sl.n, "champion_rate": sl.champion_rate, "challenger_rate": sl.challenger_rate,
                               "wins": sl.wins, "losses": sl.losses}
-    numbers = _clean({
-        "outcome": outcome,
-        "challenger": str(challenger), "champion": str(champion), "suite": suite_id,
+    return by_origin
+
+
+def _numbers(g: GateConfig, models: _Contestants, suites: _GateSuites, evals: _Evaluations,
+             a: _Assessment) -> dict[str, Any]:
+    """Every measured value and threshold of the decision (JSON-safe)."""
+    ch_eval, cp_eval, reg_suite = evals.challenger, evals.champion, suites.regression
+    stats, boot, pairing, paired = a.evidence.stats, a.evidence.stats.boot, a.pairing, a.pairing.paired
+    slices, regression, decon = a.evidence.slices, a.evidence.regression, a.evidence.decontamination
+    return _clean({
+        "outcome": a.outcome,
+        "challenger": str(models.challenger), "champion": str(models.champion), "suite": suites.heldout_id,
         "regression_suite": str(reg_suite.entity_id) if reg_suite is not None else None,
         "challenger_evaluation": ch_eval.evaluation_id, "champion_evaluation": cp_eval.evaluation_id,
         "challenger_evaluation_cached": ch_eval.cached, "champion_evaluation_cached": cp_eval.cached,
         "decoding": ch_eval.decoding,
         "items": ch_eval.n_items, "paired_items": stats.n, "min_paired_items": g.min_paired_items,
-        "infra_excluded": len(infra_ids), "nondeterministic_excluded": nondet, "unpaired": unpaired,
-        "infra_error_ids": infra_ids[:50],
+        "infra_excluded": len(pairing.infra_ids), "nondeterministic_excluded": pairing.nondeterministic,
+        "unpaired": pairing.unpaired,
+        "infra_error_ids": pairing.infra_ids[:50],
         "champion_pass_rate": stats.champion_rate, "challenger_pass_rate": stats.challenger_rate,
         "champion_passed": stats.both + stats.losses, "challenger_passed": stats.both + stats.wins,
         "diff": stats.diff, "p_value": stats.p_value, "alpha": stats.alpha, "lower_bound": stats.lower_bound,
@@ -783,31 +874,66 @@ def run_gate(
         "mde": stats.mde, "mde_observed": stats.mde_observed, "items_needed": stats.items_needed,
         "wins": stats.wins, "losses": stats.losses, "ties": stats.ties, "both_pass": stats.both,
         "both_fail": stats.neither,
-        "by_origin": by_origin,
+        "by_origin": _by_origin(slices),
         "win_ids": [p.task_id for p in paired if p.challenger and not p.champion][:50],
         "loss_ids": [p.task_id for p in paired if p.champion and not p.challenger][:50],
         "slices": [{**asdict(s), "delta": s.delta} for s in slices],
         "regression": asdict(regression) if regression else None,
         "decontamination": asdict(decon),
-        "training_failures": len(training["failures"]),
+        "training_failures": a.training_failures,
         "thresholds": g.model_dump(),
     })
-    decision = GateDecision(
-        gate_id=gate_id, outcome=outcome, reasons=reasons, rules=list(rules), numbers=numbers,
-        report_path=report_path, model=name, challenger_version=version, champion=str(champion), suite=suite_id,
-    )
-    md = render_markdown(decision)
-    report_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+def _write_report(report_path: Path, md: str, artifacts: ArtifactStore) -> ArtifactRef:
+    """``md`` at ``report_path`` (written whole or not at all) and in the artifact store."""
+    report_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = report_path.with_name(f".{report_path.name}.tmp")
     tmp.write_text(md)
     tmp.replace(report_path)
-    md_ref = artifacts.put_bytes(md.encode(), "md")
+    return artifacts.put_bytes(md.encode(), "md")
 
-    consumes = [c for c in (challenger.entity_id, champion.entity_id, suite_id,
-                            str(reg_suite.entity_id) if ch_reg is not None else None,
-                            ch_eval.evaluation_id, cp_eval.evaluation_id,
-                            *(e.evaluation_id for e in (ch_reg, cp_reg) if e is not None)) if c]
-    with tracker.run("gate", consumes=consumes, produces=[gate_id], correlation_id=correlation_id,
+
+def _consumes(models: _Contestants, suites: _GateSuites, evals: _Evaluations) -> list[str]:
+    """The causation of ``gate.decided``: models, suite versions and evaluations."""
+    r = evals.regression
+    return [c for c in (models.challenger.entity_id, models.champion.entity_id, suites.heldout_id,
+                        str(r.suite.entity_id) if r is not None else None,
+                        evals.challenger.evaluation_id, evals.champion.evaluation_id,
+                        *evals.regression_ids) if c]
+
+
+def _evidence_items(paired: Sequence[PairedItem]) -> list[dict[str, object]]:
+    """One row per paired held-out item, for ``gate_items.json``."""
+    return [{"item": p.task_id, "slice": ", ".join(p.labels), "champion_pass": p.champion,
+             "challenger_pass": p.challenger,
+             "change": ("win" if p.challenger else "loss") if p.champion != p.challenger
+             else ("both pass" if p.champion else "both fail")} for p in paired]
+
+
+def _datasets(suites: _GateSuites, evals: _Evaluations) -> list[DatasetSpec]:
+    """The suites the gate evaluated on, as MLflow dataset inputs of its run."""
+    reg = evals.regression.suite if evals.regression is not None else None
+    return [DatasetSpec(str(s.entity_id), "evaluation", s.version_hash, len(s.tasks),
+                        source={"artifact": f"sha256:{(s.artifact or {}).get('sha256')}", "role": role})
+            for s, role in ((suites.heldout, "held-out"), (reg, "regression")) if s is not None]
+
+
+def _log_run(
+    tracker: Tracker,
+    g: GateConfig,
+    decision: GateDecision,
+    md: str,
+    a: _Assessment,
+    suites: _GateSuites,
+    evals: _Evaluations,
+    consumes: list[str],
+    version: int,
+    correlation_id: str | None,
+) -> str:
+    """The MLflow run ``gate``: thresholds, numbers, report, item-level evidence, version tags. Its run id."""
+    outcome, numbers = decision.outcome, decision.numbers
+    with tracker.run("gate", consumes=consumes, produces=[decision.gate_id], correlation_id=correlation_id,
                      tags={"flywheel.gate.passed": str(outcome == "passed").lower(),
                            "flywheel.gate.outcome": outcome}) as run:
         run.log_params({f"gate.{k}": v for k, v in g.model_dump().items()})
@@ -817,26 +943,73 @@ def run_gate(
         run.log_metrics({"passed": float(outcome == "passed")})
         run.log_text(md, "gate_report.md")
         tracker.log_gate_evidence(
-            run, model=name, version=version,
-            items=[{"item": p.task_id, "slice": ", ".join(p.labels), "champion_pass": p.champion,
-                    "challenger_pass": p.challenger,
-                    "change": ("win" if p.challenger else "loss") if p.champion != p.challenger
-                    else ("both pass" if p.champion else "both fail")} for p in paired],
-            rules=[asdict(r) for r in rules],
-            datasets=[DatasetSpec(str(s.entity_id), "evaluation", s.version_hash, len(s.tasks),
-                                  source={"artifact": f"sha256:{(s.artifact or {}).get('sha256')}", "role": role})
-                      for s, role in ((suite_obj, "held-out"), (reg_suite if ch_reg is not None else None, "regression"))
-                      if s is not None],
-            version_tags={"gate.outcome": outcome, "gate.p_value": f"{stats.p_value:.6g}", "gate.id": gate_id,
-                          "gate.champion": str(champion), "gate.suite": suite_id},
+            run, model=decision.model, version=version,
+            items=_evidence_items(a.pairing.paired),
+            rules=[asdict(r) for r in a.rules],
+            datasets=_datasets(suites, evals),
+            version_tags={"gate.outcome": outcome, "gate.p_value": f"{a.evidence.stats.p_value:.6g}",
+                          "gate.id": decision.gate_id, "gate.champion": decision.champion, "gate.suite": decision.suite},
         )
         run_id = run.run_id
-    payload = {
-        "entity_id": gate_id, "outcome": outcome, "passed": outcome == "passed", "p_value": numbers["p_value"],
-        "reasons": reasons,
-        "rules": [_clean(asdict(r)) for r in rules], "numbers": numbers,
-        "model": name, "challenger_version": version, "champion": str(champion), "suite": suite_id,
+    return run_id
+
+
+def _decided_payload(decision: GateDecision, md_ref: ArtifactRef, run_id: str) -> dict[str, Any]:
+    """The payload of ``gate.decided``."""
+    return {
+        "entity_id": decision.gate_id, "outcome": decision.outcome, "passed": decision.outcome == "passed",
+        "p_value": decision.numbers["p_value"],
+        "reasons": decision.reasons,
+        "rules": [_clean(asdict(r)) for r in decision.rules], "numbers": decision.numbers,
+        "model": decision.model, "challenger_version": decision.challenger_version, "champion": decision.champion,
+        "suite": decision.suite,
         "report": md_ref.to_dict(), "mlflow_run_id": run_id,
     }
-    store.append(gate_id, NewEvent("gate.decided", payload, consumes), correlation_id=correlation_id)
+
+
+def run_gate(
+    cfg: FlywheelConfig,
+    store: EventStore,
+    artifacts: ArtifactStore,
+    tracker: Tracker,
+    model_version: int,
+    *,
+    suite: Suite | str | None = None,
+    correlation_id: str | None = None,
+    policy_loader: PolicyLoader | None = None,
+) -> GateDecision:
+    """Gate ``model:<[cycle] model_name>/<model_version>`` against the champion on ``suite``.
+
+    ``suite``: a suite object or spec (default: the latest version of ``[cycle] heldout_suite``).
+    The regression suite (``[cycle] regression_suite``, latest version) is used when one exists.
+    Appends one ``gate.decided`` event (``gate:<hash of the inputs>``, causation: challenger,
+    champion, suite versions, evaluations), writes ``<home>/reports/gate/<id>.md`` and logs it to an
+    MLflow run named ``gate``. Re-running with the same inputs returns the recorded decision
+    (``cached=True``) without evaluating or logging again.
+
+    Raises :class:`GateError` (or :class:`flywheel.evaluate.EvaluationError`) when the gate cannot be
+    evaluated; a refusal is a normal return with ``passed=False``.
+    """
+    models = _contestants(cfg, store, tracker, model_version)
+    suites = _gate_suites(cfg, store, artifacts, suite)
+    evals = _evaluate(cfg, store, artifacts, tracker, models, suites, policy_loader, correlation_id)
+    a = _assess(cfg, store, models, suites, evals)
+
+    gate_id = _gate_id(cfg.gate, evals, a)
+    report_path = Path(cfg.home) / "reports" / "gate" / f"{gate_id.split(':', 1)[1]}.md"
+    prior = store.read(stream=gate_id, types="gate.decided")
+    if prior:
+        return GateDecision.from_payload(prior[-1].payload, report_path if report_path.exists() else None)
+
+    decision = GateDecision(
+        gate_id=gate_id, outcome=a.outcome, reasons=_reasons(a), rules=list(a.rules),
+        numbers=_numbers(cfg.gate, models, suites, evals, a), report_path=report_path, model=models.name,
+        challenger_version=models.version, champion=str(models.champion), suite=suites.heldout_id,
+    )
+    md = render_markdown(decision)
+    md_ref = _write_report(report_path, md, artifacts)
+    consumes = _consumes(models, suites, evals)
+    run_id = _log_run(tracker, cfg.gate, decision, md, a, suites, evals, consumes, models.version, correlation_id)
+    store.append(gate_id, NewEvent("gate.decided", _decided_payload(decision, md_ref, run_id), consumes),
+                 correlation_id=correlation_id)
     return decision
