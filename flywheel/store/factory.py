@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from flywheel.config import FlywheelConfig
 
 
-def backend_for(location: Any) -> type[EventStore]:
+def backend_for(location: object) -> type[EventStore]:
     """The backend class of a location: PostgreSQL for a ``postgresql://`` URL, else the DuckDB file."""
     if is_postgres_url(location):
         # only in team mode: psycopg is imported when a URL is opened
