@@ -33,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 
 from flywheel.artifacts import ArtifactStore, load_traces
-from flywheel.config import FlywheelConfig
+from flywheel.config import EvalsConfig, FlywheelConfig, SynthConfig
 from flywheel.contamination import contaminated_by_synthetic
 from flywheel.evals.compiler import COMPILER_VERSION, CompileSkip, compile_failure, compile_success
 from flywheel.split import REQUEST_TEXT_VERSION, SplitIndex, request_key
@@ -118,21 +118,44 @@ def _reason_kind(reason: str) -> str:
     return reason.split(": ", 1)[1] if ": " in reason else reason
 
 
-def build_evals(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, *,
-                correlation_id: str | None = None) -> EvalsSummary:
-    """Compile every failure and successful trace into evals, split them, version the suites.
+# What passes between the steps of build_evals.
 
-    Idempotent: the same inputs append no event (see the module docstring for all guarantees).
-    """
-    ecfg = cfg.evals
-    summary = EvalsSummary()
-    existing = {e["entity_id"]: e["state"] for e in store.entities("eval")}
 
+@dataclass(frozen=True)
+class _EvalEvent:
+    """One ``eval.created`` to append: on the eval's stream, caused by its origin (the failure or the
+    successful trace), expecting the stream at ``expected_version`` (0: a new eval)."""
+
+    stream: str
+    payload: dict
+    causation: list[str]
+    expected_version: int
+
+
+@dataclass
+class _Staging:
+    """What one build has staged so far; the steps fill it in, in order.
+
+    ``states``: eval id -> state, the recorded states with what this build staged in their place (the
+    very payload dicts of ``events``: a later change to a state, an exclusion, is a change to its
+    event); ``placed_now``: task id -> origin, for items placed (not reloaded) in this build."""
+
+    states: dict[str, dict]
+    summary: EvalsSummary
+    events: list[_EvalEvent] = field(default_factory=list)
+    placed_now: dict[str, str] = field(default_factory=dict)
+
+
+# The steps of build_evals, in order.
+
+
+def _split_index(ecfg: EvalsConfig, states: dict[str, dict]) -> SplitIndex:
+    """The split index, holding every recorded placement."""
     index = SplitIndex(heldout_fraction=ecfg.heldout_fraction, seed=ecfg.split_seed, jaccard=ecfg.cluster_jaccard)
     # Recorded placements first, in the order they were made, so new requests see all of them.
     # Successes recorded on the train side ("regression": their answers become demonstrations) sit
     # on the train side of the index, so a near-copy failure can never be dealt to held-out.
-    for eid, st in existing.items():
+    for eid, st in states.items():
         split = st.get("split")
         if split in ("train", "heldout", "excluded", "regression"):
             prompt = st.get("prompt") or {}
@@ -140,43 +163,50 @@ def build_evals(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore
             key = st.get("origin_failure") or md.get("origin_trace") or eid
             text, tools = request_key(prompt.get("messages") or [], prompt.get("tools") or [])
             index.add_existing(key, text, st["cluster"], "train" if split == "regression" else split, tools)
+    return index
 
-    new_events: list[tuple[str, dict, list[str], int]] = []  # stream, payload, causation, expected
 
-    def stage(task: dict, origin: str, split: str, cluster: str, kinds: list[str]) -> None:
-        tid = task["task_id"]
-        task["metadata"]["split"] = split
-        task["metadata"]["cluster"] = cluster
-        payload = {
-            "entity_id": tid,
-            **task,
-            "split": split,
-            "cluster": cluster,
-            "origin_failure": task["metadata"].get("origin_failure"),
-            "failure_kinds": kinds,
-            "tools": task["metadata"]["tools"],
-            "verifier_kind": task["metadata"]["verifier_kind"],
-            "compiler_version": COMPILER_VERSION,
-            "request_text_version": REQUEST_TEXT_VERSION,
-        }
-        old = existing.get(tid)
-        vk = task["metadata"]["verifier_kind"]
-        if old is not None and canonical_json(old) == canonical_json(payload):
-            summary.unchanged += 1
-        else:
-            bucket = summary.updated if old is not None else summary.created
-            bucket[vk] = bucket.get(vk, 0) + 1
-            if "none" in (task["metadata"].get("tool_schema_sources") or {}).values():
-                summary.evals_with_tools_without_schema += 1
-            if old is None:
-                for k in kinds or ["success"]:
-                    summary.created_by_failure_kind[k] = summary.created_by_failure_kind.get(k, 0) + 1
-            new_events.append((tid, payload, [origin], store.stream_version(tid) if old is not None else 0))
-        existing[tid] = payload
+def _stage(store: EventStore, staging: _Staging, task: dict, origin: str, split: str, cluster: str,
+           kinds: list[str]) -> None:
+    """Stage the eval ``task`` (placed in ``split``/``cluster``) unless its recorded state is the same."""
+    summary, states = staging.summary, staging.states
+    tid = task["task_id"]
+    task["metadata"]["split"] = split
+    task["metadata"]["cluster"] = cluster
+    payload = {
+        "entity_id": tid,
+        **task,
+        "split": split,
+        "cluster": cluster,
+        "origin_failure": task["metadata"].get("origin_failure"),
+        "failure_kinds": kinds,
+        "tools": task["metadata"]["tools"],
+        "verifier_kind": task["metadata"]["verifier_kind"],
+        "compiler_version": COMPILER_VERSION,
+        "request_text_version": REQUEST_TEXT_VERSION,
+    }
+    old = states.get(tid)
+    vk = task["metadata"]["verifier_kind"]
+    if old is not None and canonical_json(old) == canonical_json(payload):
+        summary.unchanged += 1
+    else:
+        bucket = summary.updated if old is not None else summary.created
+        bucket[vk] = bucket.get(vk, 0) + 1
+        if "none" in (task["metadata"].get("tool_schema_sources") or {}).values():
+            summary.evals_with_tools_without_schema += 1
+        if old is None:
+            for k in kinds or ["success"]:
+                summary.created_by_failure_kind[k] = summary.created_by_failure_kind.get(k, 0) + 1
+        staging.events.append(_EvalEvent(tid, payload, [origin], store.stream_version(tid) if old is not None else 0))
+    states[tid] = payload
 
-    placed_now: dict[str, str] = {}  # task id -> origin, for items placed (not reloaded) in this build
 
-    # -- failures -> train / heldout / excluded
+def _skip(summary: EvalsSummary, origin: str, e: CompileSkip) -> None:
+    summary.skipped.append({"origin": origin, "reason": str(e), "reason_kind": _reason_kind(str(e))})
+
+
+def _stage_failures(store: EventStore, artifacts: ArtifactStore, index: SplitIndex, staging: _Staging) -> None:
+    """Failures -> train / heldout / excluded."""
     failures = store.entities("failure")
     for f in failures:
         fid, st = f["entity_id"], dict(f["state"])
@@ -187,18 +217,20 @@ def build_evals(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore
         try:
             task = compile_failure(st, trace_state=trace_state)
         except CompileSkip as e:
-            summary.skipped.append({"origin": fid, "reason": str(e), "reason_kind": _reason_kind(str(e))})
+            _skip(staging.summary, fid, e)
             continue
-        prev = existing.get(task["task_id"])
+        prev = staging.states.get(task["task_id"])
         if prev is not None and prev.get("split") in ("train", "heldout", "excluded"):
             split, cluster = prev["split"], prev["cluster"]  # recorded: never moves
         else:
             p = index.assign(fid, *request_key(task["prompt"]["messages"], task["prompt"]["tools"]))
             split, cluster = p.split, p.cluster
-            placed_now[task["task_id"]] = fid
-        stage(task, fid, split, cluster, task["metadata"]["failure_kinds"])
+            staging.placed_now[task["task_id"]] = fid
+        _stage(store, staging, task, fid, split, cluster, task["metadata"]["failure_kinds"])
 
-    # -- successful traces -> regression
+
+def _stage_successes(store: EventStore, artifacts: ArtifactStore, index: SplitIndex, staging: _Staging) -> None:
+    """Successful traces -> regression (the train side) / heldout / excluded."""
     seen_regression: set[str] = set()
     successes = _successful_traces(store)
     full = _full_traces(artifacts, [st for _, st in successes])
@@ -206,14 +238,14 @@ def build_evals(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore
         try:
             task = compile_success(tid_trace, st)
         except CompileSkip as e:
-            summary.skipped.append({"origin": tid_trace, "reason": str(e), "reason_kind": _reason_kind(str(e))})
+            _skip(staging.summary, tid_trace, e)
             continue
         # Many production successes repeat the same request and answer: one eval each.
         key = canonical_json([task["metadata"]["request_hash"], task["verifier"], task["reference"]])
         if key in seen_regression:
             continue
         seen_regression.add(key)
-        prev = existing.get(task["task_id"])
+        prev = staging.states.get(task["task_id"])
         if prev is not None and prev.get("split") in ("regression", "heldout", "excluded"):
             split, cluster = prev["split"], prev["cluster"]  # recorded: never moves
         else:
@@ -221,42 +253,52 @@ def build_evals(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore
             # successes form the regression suite (and SFT demonstrations).
             p = index.assign(tid_trace, *request_key(task["prompt"]["messages"], task["prompt"]["tools"]))
             split, cluster = ("regression" if p.split == "train" else p.split), p.cluster
-            placed_now[task["task_id"]] = tid_trace
-        stage(task, tid_trace, split, cluster, [])
+            staging.placed_now[task["task_id"]] = tid_trace
+        _stage(store, staging, task, tid_trace, split, cluster, [])
 
-    # -- a new held-out item that a recorded synthetic task already copies is excluded: models trained
-    # on that batch have seen it (synthetic variants are not in the split index).
-    fresh_heldout = [task_from_state(existing[t]) for t in placed_now if existing[t].get("split") == "heldout"]
+
+def _exclude_synthetic_copies(store: EventStore, artifacts: ArtifactStore, scfg: SynthConfig, staging: _Staging) -> None:
+    """A new held-out item that a recorded synthetic task already copies is excluded: models trained
+    on that batch have seen it (synthetic variants are not in the split index)."""
+    states = staging.states
+    fresh_heldout = [task_from_state(states[t]) for t in staging.placed_now if states[t].get("split") == "heldout"]
     if fresh_heldout:
-        for tid, synth_id in contaminated_by_synthetic(store, artifacts, fresh_heldout, cfg.synth).items():
-            st = existing[tid]
+        for tid, synth_id in contaminated_by_synthetic(store, artifacts, fresh_heldout, scfg).items():
+            st = states[tid]
             cluster = f"x-{st['metadata']['request_hash'][:16]}"
             st.update(split="excluded", cluster=cluster, excluded_because=f"near-copy of synthetic task {synth_id}")
             st["metadata"].update(split="excluded", cluster=cluster)  # the same dicts as the staged event
-            summary.excluded_contaminated += 1
+            staging.summary.excluded_contaminated += 1
 
-    # -- append the eval events in one transaction
-    if new_events:
-        table = pa.table(
-            {
-                "stream": [s for s, _, _, _ in new_events],
-                "type": ["eval.created"] * len(new_events),
-                "payload": [canonical_json(p) for _, p, _, _ in new_events],
-                "causation": [c for _, _, c, _ in new_events],
-            },
-            schema=BATCH_SCHEMA,
-        )
-        res = store.append_batch(
-            table,
-            correlation_id=correlation_id,
-            expected_versions={s: v for s, _, _, v in new_events},
-            validated=True,
-        )
-        summary.events_appended += res.appended
 
-    # -- suites
+def _append_evals(store: EventStore, events: list[_EvalEvent], correlation_id: str | None) -> int:
+    """Append the eval events in one transaction; how many were appended."""
+    if not events:
+        return 0
+    table = pa.table(
+        {
+            "stream": [e.stream for e in events],
+            "type": ["eval.created"] * len(events),
+            "payload": [canonical_json(e.payload) for e in events],
+            "causation": [e.causation for e in events],
+        },
+        schema=BATCH_SCHEMA,
+    )
+    res = store.append_batch(
+        table,
+        correlation_id=correlation_id,
+        expected_versions={e.stream: e.expected_version for e in events},
+        validated=True,
+    )
+    return res.appended
+
+
+def _version_suites(ecfg: EvalsConfig, store: EventStore, artifacts: ArtifactStore, states: dict[str, dict],
+                    summary: EvalsSummary, correlation_id: str | None) -> None:
+    """Version each suite from the evals of its split; the held-out and regression suites keep
+    non-deterministic evals out unless ``evals.include_llm_judge_in_gate``."""
     by_split: dict[str, list[dict]] = {s: [] for s in ("train", "heldout", "excluded", "regression")}
-    for st in existing.values():
+    for st in states.values():
         by_split.setdefault(st.get("split") or "unknown", []).append(st)
     summary.splits = {k: len(v) for k, v in by_split.items() if v}
     include_nd = ecfg.include_llm_judge_in_gate
@@ -275,11 +317,30 @@ def build_evals(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore
         summary.events_appended += int(new)
         summary.suites.append({"suite": entity, "members": len(members), "new_version": new})
         if name == "heldout":
-            outcomes = Counter((t.get("metadata") or {}).get("origin_outcome", "failure") for t in members)
-            summary.heldout = {"items": len(members), "failures": outcomes.get("failure", 0),
-                               "successes": outcomes.get("success", 0),
-                               "clusters": len({(t.get("metadata") or {}).get("cluster") for t in members})}
-    summary.warnings += _heldout_warnings(cfg, summary, existing)
+            summary.heldout = _heldout_counts(members)
+
+
+def _heldout_counts(members: list[dict]) -> dict[str, int]:
+    outcomes = Counter((t.get("metadata") or {}).get("origin_outcome", "failure") for t in members)
+    return {"items": len(members), "failures": outcomes.get("failure", 0), "successes": outcomes.get("success", 0),
+            "clusters": len({(t.get("metadata") or {}).get("cluster") for t in members})}
+
+
+def build_evals(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, *,
+                correlation_id: str | None = None) -> EvalsSummary:
+    """Compile every failure and successful trace into evals, split them, version the suites.
+
+    Idempotent: the same inputs append no event (see the module docstring for all guarantees).
+    """
+    summary = EvalsSummary()
+    staging = _Staging({e["entity_id"]: e["state"] for e in store.entities("eval")}, summary)
+    index = _split_index(cfg.evals, staging.states)
+    _stage_failures(store, artifacts, index, staging)
+    _stage_successes(store, artifacts, index, staging)
+    _exclude_synthetic_copies(store, artifacts, cfg.synth, staging)
+    summary.events_appended += _append_evals(store, staging.events, correlation_id)
+    _version_suites(cfg.evals, store, artifacts, staging.states, summary, correlation_id)
+    summary.warnings += _heldout_warnings(cfg, summary, staging.states)
     return summary
 
 
