@@ -55,7 +55,7 @@ from flywheel.synth.generators import (
 )
 from flywheel.synth.keys import SYNTH_VERSION, seed_tasks
 from flywheel.verifiers import VerifyContext
-from flywheel.versioning import Suite, add_tasks_to_env, load_env, load_suite
+from flywheel.versioning import Env, Suite, add_tasks_to_env, load_env, load_suite
 from flywheel.vocab.ids import canonical_json, json_id
 
 
@@ -182,6 +182,299 @@ def _tables(accepted: list[Candidate], rejections: list[Rejection], by_id: dict[
     return acc, rej
 
 
+@dataclass(frozen=True)
+class _Selection:
+    """Which generators make the batch, and how many variants: ``per_seed`` each, or a ``plan``."""
+
+    names: list[str]
+    generators: list[Generator]
+    per_seed: int | None
+    plan: dict[str, int] | None
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What the batch widens and is checked against: the environment, its seeds, the held-out suite."""
+
+    env: Env
+    seeds: list[dict]
+    suite: Suite | None
+
+    @property
+    def heldout_ref(self) -> str | None:
+        return self.suite.entity_id if self.suite else None
+
+
+@dataclass(frozen=True)
+class _Identity:
+    """The batch id and the settings it hashes (and the event records)."""
+
+    batch: str
+    settings: dict[str, Any]
+    difficulty_on: bool
+    policy_id: str | None
+    uses_policy: bool
+
+
+@dataclass(frozen=True)
+class _Funnel:
+    """What went through the funnel: the candidates, the accepted ones, every rejection and the counts."""
+
+    candidates: list[Candidate]
+    by_id: dict[str, Candidate]
+    not_applicable: int
+    accepted: list[Candidate]
+    rejections: list[Rejection]
+    counts: dict[str, int]
+    gx: dict
+
+
+def _select(cfg: FlywheelConfig, *, per_seed: int | None, generators: Sequence[str] | None, policy: Policy | None,
+            generator_params: dict[str, dict] | None, plan: dict[str, int] | None) -> _Selection:
+    """The generators and counts of the batch, from ``plan``, else the arguments, else ``cfg.synth``."""
+    scfg = cfg.synth
+    if plan is not None:
+        bad = {g: n for g, n in plan.items() if isinstance(n, bool) or not isinstance(n, int) or n < 0}
+        if bad:
+            raise ValueError(f"plan counts must be non-negative integers, got {bad}")
+        plan = {g: int(n) for g, n in plan.items() if n > 0}
+        names = list(plan)
+        per_seed = None
+        if not names:
+            raise ValueError("the synth plan gives no generator any variant")
+    else:
+        per_seed = scfg.per_seed if per_seed is None else int(per_seed)
+        names = list(generators if generators is not None else scfg.generators)
+    if not names:
+        raise ValueError("no synth generators selected")
+    gens = make_generators(names, generator_params)
+    if "paraphrase" in names and policy is None:
+        raise ValueError("the paraphrase generator needs a policy; drop 'paraphrase' from the generators or pass one")
+    return _Selection(names=names, generators=gens, per_seed=per_seed, plan=plan)
+
+
+def _load_inputs(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, env: str, *,
+                 correlation_id: str | None) -> _Inputs:
+    """The environment and its seeds, and the held-out suite (re-attesting older batches against it)."""
+    cur = load_env(store, artifacts, env)
+    seeds = seed_tasks(cur.tasks)
+    try:
+        suite: Suite | None = load_suite(store, artifacts, cfg.cycle.heldout_suite)
+    except LookupError:
+        suite = None
+    if suite is not None:
+        # Batches accepted against an older held-out version (carried over in the environment, and in
+        # the lineage of models trained on them) are checked against the items added since.
+        reattest_batches(cfg, store, artifacts, suite, correlation_id=correlation_id)
+    return _Inputs(env=cur, seeds=seeds, suite=suite)
+
+
+def _identify(cfg: FlywheelConfig, sel: _Selection, inp: _Inputs, policy: Policy | None) -> _Identity:
+    """The batch id: what it hashes is in the module docstring."""
+    scfg = cfg.synth
+    difficulty_on = policy is not None and scfg.difficulty_samples > 0
+    policy_id = f"{getattr(policy, 'name', '?')}@{getattr(policy, 'version', '?')}" if policy is not None else None
+    settings = {
+        "near_dup_jaccard": scfg.near_dup_jaccard,
+        "contamination_jaccard": scfg.contamination_jaccard,
+        "contamination_ngram": scfg.contamination_ngram,
+        "semantic_dedup": scfg.semantic_dedup,
+        "semantic_threshold": scfg.semantic_threshold if scfg.semantic_dedup else None,
+        "difficulty_samples": scfg.difficulty_samples if difficulty_on else 0,
+        "difficulty_drop": scfg.difficulty_drop if difficulty_on else "none",
+    }
+    uses_policy = difficulty_on or "paraphrase" in sel.names
+    bid = batch_id(env_name=inp.env.name, suites=inp.env.suites, seeds=inp.seeds, generators=sel.generators,
+                   per_seed=sel.per_seed, seed=scfg.seed, settings=settings, heldout=inp.heldout_ref,
+                   policy=policy_id if uses_policy else None, plan=sel.plan)
+    return _Identity(batch=bid, settings=settings, difficulty_on=difficulty_on, policy_id=policy_id,
+                     uses_policy=uses_policy)
+
+
+def _recorded(store: EventStore, bid: str, t0: float) -> SynthSummary | None:
+    """The summary of batch ``bid`` as it was recorded (``new=False``), or None when it was not."""
+    recorded = store.read(stream=bid, types="synth.batch_accepted")
+    if not recorded:
+        return None
+    p = recorded[-1].payload
+    return SynthSummary(
+        batch=bid, env=p.get("env"), widened_env=p.get("widened_env"), counts=dict(p.get("counts") or {}),
+        rejected_by_reason=dict(p.get("rejected_by_reason") or {}), by_generator=p.get("by_generator") or {},
+        not_applicable=int(p.get("not_applicable") or 0), seeds=len(p.get("seed_tasks") or []),
+        accepted_artifact=p.get("accepted_artifact"), rejected_artifact=p.get("rejected_artifact"),
+        decontaminated_against=list(p.get("decontaminated_against") or []), gx=p.get("gx") or {}, new=False,
+        events_appended=0, seconds=time.perf_counter() - t0, plan=p.get("plan"),
+    )
+
+
+def _generate(cfg: FlywheelConfig, sel: _Selection, inp: _Inputs, bid: str, policy: Policy | None,
+              progress: Progress | None) -> tuple[list[Candidate], int]:
+    """The batch's candidates (tagged with the batch id) and how many seeds no generator applied to."""
+    seed = cfg.synth.seed
+    if sel.plan is not None:
+        cands, not_applicable = generate_planned(inp.seeds, sel.generators, sel.plan, seed=seed, policy=policy,
+                                                 progress=progress)
+    else:
+        cands, not_applicable = generate_candidates(inp.seeds, sel.generators, int(sel.per_seed or 0), seed=seed,
+                                                    policy=policy, progress=progress)
+    for c in cands:
+        c.task["metadata"]["synth_batch"] = bid
+    return cands, not_applicable
+
+
+def _solvable(valid: list[Candidate], vctx: VerifyContext, rejections: list[Rejection],
+              progress: Progress | None) -> list[Candidate]:
+    """The candidates whose reference passes their verifier; the others are rejected (``unsolvable``)."""
+    solvable = []
+    for i, c in enumerate(valid):
+        ok, why = check_solvable(c.task, vctx)
+        if ok:
+            solvable.append(c)
+        else:
+            rejections.append(_reject(c, "solvable", "unsolvable", f"unsolvable: {why}"))
+        if progress and (i % 50 == 49 or i == len(valid) - 1):
+            progress("verify", i + 1, len(valid))
+    return solvable
+
+
+def _unique(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, solvable: list[Candidate],
+            inp: _Inputs, bid: str, rejections: list[Rejection], progress: Progress | None) -> list[Candidate]:
+    """The candidates that duplicate nothing in the env, in earlier batches or earlier in this batch."""
+    scfg = cfg.synth
+    semantic = SemanticIndex(scfg.semantic_threshold) if scfg.semantic_dedup else None
+    if semantic is not None:
+        _semantic_model_dir()  # fail now, with the install hint, not halfway through
+    reference = [t for t in inp.env.tasks if (t.get("metadata") or {}).get("synth_batch") != bid]
+    seen = {t["task_id"] for t in reference}
+    for t in synthetic_tasks(store, artifacts, bid):
+        if t["task_id"] not in seen:
+            reference.append(t)
+            seen.add(t["task_id"])
+    unique, rej = dedup_candidates(solvable, reference, threshold=scfg.near_dup_jaccard, semantic=semantic)
+    rejections += rej
+    if progress:
+        progress("dedup", len(solvable), len(solvable))
+    return unique
+
+
+def _uncontaminated(cfg: FlywheelConfig, store: EventStore, unique: list[Candidate], suite: Suite | None,
+                    rejections: list[Rejection], progress: Progress | None) -> list[Candidate]:
+    """The candidates that do not overlap the held-out suite."""
+    scfg = cfg.synth
+    protected = protected_texts(store, suite) if suite else []
+    sem2 = SemanticIndex(scfg.semantic_threshold) if scfg.semantic_dedup else None
+    clean, rej = decontaminate(unique, protected, jaccard_threshold=scfg.contamination_jaccard,
+                               ngram=scfg.contamination_ngram, semantic=sem2)
+    rejections += rej
+    if progress:
+        progress("decontaminate", len(unique), len(unique))
+    return clean
+
+
+def _difficulty(cfg: FlywheelConfig, clean: list[Candidate], policy: Policy, vctx: VerifyContext,
+                rejections: list[Rejection], progress: Progress | None) -> list[Candidate]:
+    """The candidates the policy neither always nor (with ``difficulty_drop = both``) never solves."""
+    scfg = cfg.synth
+    measure_difficulty(clean, policy, scfg.difficulty_samples, max_new_tokens=cfg.rollout.max_new_tokens,
+                       temperature=cfg.rollout.temperature, seed=scfg.seed, context=vctx)
+    accepted = []
+    for c in clean:
+        rate = c.task["metadata"]["difficulty"]["pass_rate"]
+        if rate == 1.0 and scfg.difficulty_drop in ("too_easy", "both"):
+            rejections.append(_reject(c, "difficulty", "too_easy",
+                                      f"too easy: all {scfg.difficulty_samples} samples pass"))
+        elif rate == 0.0 and scfg.difficulty_drop == "both":
+            rejections.append(_reject(c, "difficulty", "too_hard",
+                                      f"too hard: none of {scfg.difficulty_samples} samples pass"))
+        else:
+            accepted.append(c)
+    if progress:
+        progress("difficulty", len(clean), len(clean))
+    return accepted
+
+
+def _run_funnel(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, sel: _Selection, inp: _Inputs,
+                ident: _Identity, policy: Policy | None, progress: Progress | None) -> _Funnel:
+    """Generate the batch and take it through the funnel: valid, solvable, unique, uncontaminated,
+    then (optionally) of useful difficulty."""
+    bid = ident.batch
+    cands, not_applicable = _generate(cfg, sel, inp, bid, policy, progress)
+    by_id = {c.task_id: c for c in cands}
+    counts = {"generated": len(cands)}
+    rejections: list[Rejection] = []
+    valid, rej, gx = validate_candidates(cands, sel.names)
+    rejections += rej
+    counts["valid"] = len(valid)
+    if progress:
+        progress("validate", len(cands), len(cands))
+    vctx = VerifyContext(sandbox=cfg.sandbox, judge=cfg.judge)
+    solvable = _solvable(valid, vctx, rejections, progress)
+    counts["solvable"] = len(solvable)
+    unique = _unique(cfg, store, artifacts, solvable, inp, bid, rejections, progress)
+    counts["unique"] = len(unique)
+    clean = _uncontaminated(cfg, store, unique, inp.suite, rejections, progress)
+    counts["uncontaminated"] = len(clean)
+    accepted = clean
+    if ident.difficulty_on and policy is not None:  # difficulty_on implies a policy
+        accepted = _difficulty(cfg, clean, policy, vctx, rejections, progress)
+    counts["accepted"] = len(accepted)
+    return _Funnel(candidates=cands, by_id=by_id, not_applicable=not_applicable, accepted=accepted, rejections=rejections,
+                   counts=counts, gx=gx)
+
+
+def _record(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, sel: _Selection, inp: _Inputs,
+            ident: _Identity, fun: _Funnel, *, correlation_id: str | None, t0: float) -> SynthSummary:
+    """Artifacts first, then the new env version, then ``synth.batch_accepted`` (see the module
+    docstring for a crash between the two appends)."""
+    cur, bid, accepted, rejections = inp.env, ident.batch, fun.accepted, fun.rejections
+    acc_tbl, rej_tbl = _tables(accepted, rejections, fun.by_id)
+    acc_ref = artifacts.put_table(acc_tbl)
+    rej_ref = artifacts.put_table(rej_tbl)
+    new_env = cur.entity_id
+    if accepted:
+        new_env = add_tasks_to_env(cfg, store, artifacts, cur.name, [c.task for c in accepted],
+                                   [bid, cur.entity_id], correlation_id=correlation_id)
+    by_gen: dict[str, dict[str, int]] = {}
+    for c in fun.candidates:
+        by_gen.setdefault(c.generator, {"generated": 0, "accepted": 0})["generated"] += 1
+    for c in accepted:
+        by_gen[c.generator]["accepted"] += 1
+    reasons = dict(sorted(Counter(r.reason_kind for r in rejections).items()))
+    seed_ids = sorted({s for c in fun.candidates for s in c.seed_ids} | {s["task_id"] for s in inp.seeds})
+    heldout_ref = inp.heldout_ref
+    payload = {
+        "entity_id": bid,
+        "env_name": cur.name,
+        "generators": {g.name: g.params for g in sel.generators},
+        "seed": cfg.synth.seed,
+        "per_seed": sel.per_seed,
+        "plan": sel.plan,
+        "settings": ident.settings,
+        "counts": {k: fun.counts.get(k, 0) for k in FUNNEL},
+        "rejected_by_reason": reasons,
+        "by_generator": by_gen,
+        "not_applicable": fun.not_applicable,
+        "accepted_artifact": acc_ref.to_dict(),
+        "rejected_artifact": rej_ref.to_dict(),
+        "decontaminated_against": [heldout_ref] if heldout_ref else [],
+        "widened_env": cur.entity_id,
+        "env": new_env,
+        "seed_tasks": [s["task_id"] for s in inp.seeds],
+        "gx": {"success": fun.gx["success"], "failed_expectations": fun.gx["failed_expectations"]},
+        **({"policy": ident.policy_id} if ident.uses_policy else {}),
+    }
+    res = store.append(bid, NewEvent("synth.batch_accepted", payload, [cur.entity_id, *seed_ids]),
+                       expected_version=0, correlation_id=correlation_id)
+    return SynthSummary(
+        batch=bid, env=new_env, widened_env=cur.entity_id, counts=payload["counts"], rejected_by_reason=reasons,
+        by_generator=by_gen, not_applicable=fun.not_applicable, seeds=len(inp.seeds),
+        accepted_artifact=acc_ref.to_dict(), rejected_artifact=rej_ref.to_dict(),
+        decontaminated_against=payload["decontaminated_against"], gx=payload["gx"], new=True,
+        events_appended=res.appended + int(new_env != cur.entity_id), seconds=time.perf_counter() - t0,
+        accepted_ids=[c.task_id for c in accepted], rejections=rejections, plan=sel.plan,
+    )
+
+
 def run_synth(
     cfg: FlywheelConfig,
     store: EventStore,
@@ -211,183 +504,12 @@ def run_synth(
     a policy, :class:`flywheel.dedup.SemanticUnavailable` when semantic dedup is on without its package.
     """
     t0 = time.perf_counter()
-    scfg = cfg.synth
-    if plan is not None:
-        bad = {g: n for g, n in plan.items() if isinstance(n, bool) or not isinstance(n, int) or n < 0}
-        if bad:
-            raise ValueError(f"plan counts must be non-negative integers, got {bad}")
-        plan = {g: int(n) for g, n in plan.items() if n > 0}
-        names = list(plan)
-        per_seed = None
-        if not names:
-            raise ValueError("the synth plan gives no generator any variant")
-    else:
-        per_seed = scfg.per_seed if per_seed is None else int(per_seed)
-        names = list(generators if generators is not None else scfg.generators)
-    if not names:
-        raise ValueError("no synth generators selected")
-    gens = make_generators(names, generator_params)
-    if "paraphrase" in names and policy is None:
-        raise ValueError("the paraphrase generator needs a policy; drop 'paraphrase' from the generators or pass one")
-    cur = load_env(store, artifacts, env)
-    seeds = seed_tasks(cur.tasks)
-    try:
-        suite = load_suite(store, artifacts, cfg.cycle.heldout_suite)
-    except LookupError:
-        suite = None
-    heldout_ref = suite.entity_id if suite else None
-    if suite is not None:
-        # Batches accepted against an older held-out version (carried over in the environment, and in
-        # the lineage of models trained on them) are checked against the items added since.
-        reattest_batches(cfg, store, artifacts, suite, correlation_id=correlation_id)
-    difficulty_on = policy is not None and scfg.difficulty_samples > 0
-    policy_id = f"{getattr(policy, 'name', '?')}@{getattr(policy, 'version', '?')}" if policy is not None else None
-    settings = {
-        "near_dup_jaccard": scfg.near_dup_jaccard,
-        "contamination_jaccard": scfg.contamination_jaccard,
-        "contamination_ngram": scfg.contamination_ngram,
-        "semantic_dedup": scfg.semantic_dedup,
-        "semantic_threshold": scfg.semantic_threshold if scfg.semantic_dedup else None,
-        "difficulty_samples": scfg.difficulty_samples if difficulty_on else 0,
-        "difficulty_drop": scfg.difficulty_drop if difficulty_on else "none",
-    }
-    uses_policy = difficulty_on or "paraphrase" in names
-    bid = batch_id(env_name=cur.name, suites=cur.suites, seeds=seeds, generators=gens, per_seed=per_seed,
-                   seed=scfg.seed, settings=settings, heldout=heldout_ref, policy=policy_id if uses_policy else None,
-                   plan=plan)
-    recorded = store.read(stream=bid, types="synth.batch_accepted")
-    if recorded:
-        p = recorded[-1].payload
-        return SynthSummary(
-            batch=bid, env=p.get("env"), widened_env=p.get("widened_env"), counts=dict(p.get("counts") or {}),
-            rejected_by_reason=dict(p.get("rejected_by_reason") or {}), by_generator=p.get("by_generator") or {},
-            not_applicable=int(p.get("not_applicable") or 0), seeds=len(p.get("seed_tasks") or []),
-            accepted_artifact=p.get("accepted_artifact"), rejected_artifact=p.get("rejected_artifact"),
-            decontaminated_against=list(p.get("decontaminated_against") or []), gx=p.get("gx") or {}, new=False,
-            events_appended=0, seconds=time.perf_counter() - t0, plan=p.get("plan"),
-        )
-
-    # -- generate
-    if plan is not None:
-        cands, not_applicable = generate_planned(seeds, gens, plan, seed=scfg.seed, policy=policy, progress=progress)
-    else:
-        cands, not_applicable = generate_candidates(seeds, gens, int(per_seed or 0), seed=scfg.seed, policy=policy,
-                                                    progress=progress)
-    for c in cands:
-        c.task["metadata"]["synth_batch"] = bid
-    by_id = {c.task_id: c for c in cands}
-    counts = {"generated": len(cands)}
-    rejections: list[Rejection] = []
-
-    # -- valid
-    valid, rej, gx = validate_candidates(cands, names)
-    rejections += rej
-    counts["valid"] = len(valid)
-    if progress:
-        progress("validate", len(cands), len(cands))
-
-    # -- solvable
-    vctx = VerifyContext(sandbox=cfg.sandbox, judge=cfg.judge)
-    solvable = []
-    for i, c in enumerate(valid):
-        ok, why = check_solvable(c.task, vctx)
-        if ok:
-            solvable.append(c)
-        else:
-            rejections.append(_reject(c, "solvable", "unsolvable", f"unsolvable: {why}"))
-        if progress and (i % 50 == 49 or i == len(valid) - 1):
-            progress("verify", i + 1, len(valid))
-    counts["solvable"] = len(solvable)
-
-    # -- unique (against the env, earlier batches and this batch)
-    semantic = SemanticIndex(scfg.semantic_threshold) if scfg.semantic_dedup else None
-    if semantic is not None:
-        _semantic_model_dir()  # fail now, with the install hint, not halfway through
-    reference = [t for t in cur.tasks if (t.get("metadata") or {}).get("synth_batch") != bid]
-    seen = {t["task_id"] for t in reference}
-    for t in synthetic_tasks(store, artifacts, bid):
-        if t["task_id"] not in seen:
-            reference.append(t)
-            seen.add(t["task_id"])
-    unique, rej = dedup_candidates(solvable, reference, threshold=scfg.near_dup_jaccard, semantic=semantic)
-    rejections += rej
-    counts["unique"] = len(unique)
-    if progress:
-        progress("dedup", len(solvable), len(solvable))
-
-    # -- uncontaminated
-    protected = protected_texts(store, suite) if suite else []
-    sem2 = SemanticIndex(scfg.semantic_threshold) if scfg.semantic_dedup else None
-    clean, rej = decontaminate(unique, protected, jaccard_threshold=scfg.contamination_jaccard,
-                               ngram=scfg.contamination_ngram, semantic=sem2)
-    rejections += rej
-    counts["uncontaminated"] = len(clean)
-    if progress:
-        progress("decontaminate", len(unique), len(unique))
-
-    # -- difficulty (optional) -> accepted
-    accepted = clean
-    if difficulty_on:
-        measure_difficulty(clean, policy, scfg.difficulty_samples, max_new_tokens=cfg.rollout.max_new_tokens,
-                           temperature=cfg.rollout.temperature, seed=scfg.seed, context=vctx)
-        accepted = []
-        for c in clean:
-            rate = c.task["metadata"]["difficulty"]["pass_rate"]
-            if rate == 1.0 and scfg.difficulty_drop in ("too_easy", "both"):
-                rejections.append(_reject(c, "difficulty", "too_easy",
-                                          f"too easy: all {scfg.difficulty_samples} samples pass"))
-            elif rate == 0.0 and scfg.difficulty_drop == "both":
-                rejections.append(_reject(c, "difficulty", "too_hard",
-                                          f"too hard: none of {scfg.difficulty_samples} samples pass"))
-            else:
-                accepted.append(c)
-        if progress:
-            progress("difficulty", len(clean), len(clean))
-    counts["accepted"] = len(accepted)
-
-    # -- records
-    acc_tbl, rej_tbl = _tables(accepted, rejections, by_id)
-    acc_ref = artifacts.put_table(acc_tbl)
-    rej_ref = artifacts.put_table(rej_tbl)
-    new_env = cur.entity_id
-    if accepted:
-        new_env = add_tasks_to_env(cfg, store, artifacts, cur.name, [c.task for c in accepted],
-                                   [bid, cur.entity_id], correlation_id=correlation_id)
-    by_gen: dict[str, dict[str, int]] = {}
-    for c in cands:
-        by_gen.setdefault(c.generator, {"generated": 0, "accepted": 0})["generated"] += 1
-    for c in accepted:
-        by_gen[c.generator]["accepted"] += 1
-    reasons = dict(sorted(Counter(r.reason_kind for r in rejections).items()))
-    seed_ids = sorted({s for c in cands for s in c.seed_ids} | {s["task_id"] for s in seeds})
-    payload = {
-        "entity_id": bid,
-        "env_name": cur.name,
-        "generators": {g.name: g.params for g in gens},
-        "seed": scfg.seed,
-        "per_seed": per_seed,
-        "plan": plan,
-        "settings": settings,
-        "counts": {k: counts.get(k, 0) for k in FUNNEL},
-        "rejected_by_reason": reasons,
-        "by_generator": by_gen,
-        "not_applicable": not_applicable,
-        "accepted_artifact": acc_ref.to_dict(),
-        "rejected_artifact": rej_ref.to_dict(),
-        "decontaminated_against": [heldout_ref] if heldout_ref else [],
-        "widened_env": cur.entity_id,
-        "env": new_env,
-        "seed_tasks": [s["task_id"] for s in seeds],
-        "gx": {"success": gx["success"], "failed_expectations": gx["failed_expectations"]},
-        **({"policy": policy_id} if uses_policy else {}),
-    }
-    res = store.append(bid, NewEvent("synth.batch_accepted", payload, [cur.entity_id, *seed_ids]),
-                       expected_version=0, correlation_id=correlation_id)
-    return SynthSummary(
-        batch=bid, env=new_env, widened_env=cur.entity_id, counts=payload["counts"], rejected_by_reason=reasons,
-        by_generator=by_gen, not_applicable=not_applicable, seeds=len(seeds), accepted_artifact=acc_ref.to_dict(),
-        rejected_artifact=rej_ref.to_dict(), decontaminated_against=payload["decontaminated_against"],
-        gx=payload["gx"], new=True, events_appended=res.appended + int(new_env != cur.entity_id),
-        seconds=time.perf_counter() - t0, accepted_ids=[c.task_id for c in accepted], rejections=rejections,
-        plan=plan,
-    )
+    sel = _select(cfg, per_seed=per_seed, generators=generators, policy=policy, generator_params=generator_params,
+                  plan=plan)
+    inp = _load_inputs(cfg, store, artifacts, env, correlation_id=correlation_id)
+    ident = _identify(cfg, sel, inp, policy)
+    recorded = _recorded(store, ident.batch, t0)
+    if recorded is not None:
+        return recorded
+    fun = _run_funnel(cfg, store, artifacts, sel, inp, ident, policy, progress)
+    return _record(cfg, store, artifacts, sel, inp, ident, fun, correlation_id=correlation_id, t0=t0)
