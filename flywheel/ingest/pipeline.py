@@ -243,6 +243,59 @@ def _record_bytes(x: Any) -> bytes:
         sys.setrecursionlimit(limit)
 
 
+@dataclass(frozen=True)
+class _EventRow:
+    """One event of a batch's second table (its quarantine record and failure updates), as
+    ``append_batch`` takes it: ``payload`` is canonical JSON."""
+
+    stream: str
+    type: str
+    payload: str
+    causation: list[str]
+
+
+def _rows_table(rows: list[_EventRow]) -> pa.Table:
+    return pa.table({"stream": [r.stream for r in rows], "type": [r.type for r in rows],
+                     "payload": [r.payload for r in rows], "causation": [r.causation for r in rows]},
+                    schema=BATCH_SCHEMA)
+
+
+@dataclass(frozen=True)
+class _FailureMerge:
+    """A batch's failures merged with their stored states: the ``failure.classified`` events, the
+    states they write and the stream versions they build on (by failure id), and how many are new
+    and how many updated."""
+
+    rows: list[_EventRow]
+    states: dict[str, dict[str, Any]]
+    versions: dict[str, int]
+    new: int
+    updated: int
+
+
+def _first_failure_state(first: dict[str, Any], tids: list[str], tss: list[str], kinds: list[str]) -> dict[str, Any]:
+    """The state of a failure first seen in this batch: the content of its first trace, plus the
+    occurrence fields of the batch's traces."""
+    payload = dict(first)
+    payload.update(kinds=kinds, trace_ids=tids[:MAX_TRACE_IDS],
+                   trace_ids_truncated=len(tids) > MAX_TRACE_IDS, occurrences=len(tids),
+                   first_seen=min(tss), last_seen=max(tss))
+    return payload
+
+
+def _merged_failure_state(old: dict[str, Any], tids: list[str], tss: list[str], kinds: list[str]) -> dict[str, Any]:
+    """The stored state ``old`` of a failure, with the occurrences of this batch's traces added."""
+    payload = dict(old)
+    all_ids = list(old.get("trace_ids", [])) + [t for t in tids if t not in set(old.get("trace_ids", []))]
+    payload["trace_ids"] = all_ids[:MAX_TRACE_IDS]
+    payload["trace_ids_truncated"] = old.get("trace_ids_truncated", False) or len(all_ids) > MAX_TRACE_IDS
+    payload["occurrences"] = int(old.get("occurrences", 0)) + len(tids)
+    payload["first_seen"] = min([old.get("first_seen") or tss[0], *tss])
+    payload["last_seen"] = max([old.get("last_seen") or tss[0], *tss])
+    payload["kinds"] = sorted(set(old.get("kinds", [])) | set(kinds), key=FAILURE_KINDS.index)
+    return payload
+
+
 class _Committer:
     """Commits prepared batches (main thread: the only one touching the store)."""
 
@@ -294,22 +347,12 @@ class _Committer:
                 quarantine_stream: str | None, quarantine_payload_extra: dict[str, Any] | None = None,
                 file: str = "", fmt: str = "") -> None:
         """One try of :meth:`commit`. Column-wise: the only per-row Python loop left here is over the
-        batch's failures (and over traces whose id collides, :meth:`_collisions`)."""
-        s = self.summary
-        s.read += b.read
-        s.duplicates += b.in_batch_duplicates
-        for k, v in b.redactions.items():
-            s.redactions_by_rule[k] = s.redactions_by_rule.get(k, 0) + v
-        tbl = b.table
-        streams = pc.binary_join_element_wise("trace:", tbl.column("trace_id"), "")
-        # Straight from events: the ``streams`` view aggregates every stream before it could filter.
-        existing = self.store.existing_streams(streams)
-        if existing:
-            mask = pc.invert(pc.is_in(streams, value_set=pa.array(existing, pa.string())))
-            kept, streams = tbl.filter(mask), streams.filter(mask)
-        else:
-            kept = tbl
-        s.duplicates += tbl.num_rows - kept.num_rows
+        batch's failures (and over traces whose id collides, :meth:`_collisions`).
+
+        The GX suite runs before anything is written, and the artifacts are written before the batch's
+        one ``append_batch``: an interrupted commit leaves at most an unreferenced artifact."""
+        self._count_read(b)
+        kept, streams = self._unrecorded(b.table)
         # A trace whose stream's node id another name holds (a 64-bit MD5 collision) cannot be recorded:
         # it is quarantined (reason entity_id_collision) and the rest of the batch goes on.
         quarantine = list(b.quarantine)  # a retried commit starts again from the batch's own
@@ -320,37 +363,78 @@ class _Committer:
         self.gx(b, kept)
         events: list[pa.Table] = []
         if n:
-            art = pa.table({c: (pa.array([file_sha] * n, pa.string()) if c == "file_sha256" else kept.column(c))
-                            for c in TRACE_COLUMNS}, schema=TRACE_SCHEMA)
-            ref = self.artifacts.put_table(art)
-            rows = pa.array(np.arange(n, dtype=np.int64)).cast(pa.string())
-            payload = pc.binary_join_element_wise(kept.column("payload_head"), rows, f',"sha256":"{ref.sha256}"',
-                                                  kept.column("payload_tail"), "")
-            events.append(pa.table({
-                "stream": streams, "type": pa.array(["trace.ingested"] * n, pa.string()), "payload": payload,
-                "causation": pa.array([causation] * n, pa.list_(pa.string())),
-            }, schema=BATCH_SCHEMA))
-        ev_stream: list[str] = []
-        ev_type: list[str] = []
-        ev_payload: list[str] = []
-        ev_cause: list[list[str]] = []
+            events.append(self._trace_events(kept, streams, file_sha, causation))
+        rows: list[_EventRow] = []
         if quarantine and quarantine_stream:
-            qt = pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA)
-            qref = self.artifacts.put_table(qt)
-            by_reason = dict(sorted(Counter(q["reason"] for q in quarantine).items()))
-            qpayload = {
-                "ingest": ingest_id, "file": quarantine[0]["file"], "file_sha256": file_sha, "batch": b.no,
-                "records": len(quarantine), "by_reason": by_reason,
-                "artifact": {"sha256": qref.sha256, "rows": qt.num_rows},
-                "resolved_lines": [], "remaining": len(quarantine),
-            }
-            qpayload.update(quarantine_payload_extra or {})
-            ev_stream.append(quarantine_stream)
-            ev_type.append("trace.quarantined")
-            ev_payload.append(canonical_json(qpayload))
-            ev_cause.append([ingest_id])
-        # failures: group the batch's new failure traces by identity, merge with the stored state
-        fails = kept.filter(pc.is_valid(kept.column("failure_id"))) if n else kept
+            rows.append(self._quarantine_event(b, quarantine, ingest_id, file_sha, quarantine_stream,
+                                               quarantine_payload_extra))
+        failures = self._merge_failures(b, kept)
+        rows += failures.rows
+        # The versions this batch builds on: new traces must still be new, failures at the version read.
+        expected: dict[str, int] = dict.fromkeys(streams.to_pylist(), 0) if n else {}
+        expected.update(failures.versions)
+        if rows:
+            events.append(_rows_table(rows))
+        if events:
+            self._append(events, expected, failures.states)
+        self._tally(kept, quarantine, failures)
+
+    def _count_read(self, b: Batch) -> None:
+        """The batch's reads, in-batch duplicates and redactions, into the summary."""
+        s = self.summary
+        s.read += b.read
+        s.duplicates += b.in_batch_duplicates
+        for k, v in b.redactions.items():
+            s.redactions_by_rule[k] = s.redactions_by_rule.get(k, 0) + v
+
+    def _unrecorded(self, tbl: pa.Table) -> tuple[pa.Table, pa.ChunkedArray]:
+        """The batch's traces the store does not hold yet, and their ``trace:`` streams; the others are
+        counted as duplicates."""
+        streams = pc.binary_join_element_wise("trace:", tbl.column("trace_id"), "")
+        # Straight from events: the ``streams`` view aggregates every stream before it could filter.
+        existing = self.store.existing_streams(streams)
+        if existing:
+            mask = pc.invert(pc.is_in(streams, value_set=pa.array(existing, pa.string())))
+            kept, streams = tbl.filter(mask), streams.filter(mask)
+        else:
+            kept = tbl
+        self.summary.duplicates += tbl.num_rows - kept.num_rows
+        return kept, streams
+
+    def _trace_events(self, kept: pa.Table, streams: pa.ChunkedArray, file_sha: str,
+                      causation: list[str]) -> pa.Table:
+        """Write the batch's trace artifact; the ``trace.ingested`` events that point into it (row by row)."""
+        n = kept.num_rows
+        art = pa.table({c: (pa.array([file_sha] * n, pa.string()) if c == "file_sha256" else kept.column(c))
+                        for c in TRACE_COLUMNS}, schema=TRACE_SCHEMA)
+        ref = self.artifacts.put_table(art)
+        rows = pa.array(np.arange(n, dtype=np.int64)).cast(pa.string())
+        payload = pc.binary_join_element_wise(kept.column("payload_head"), rows, f',"sha256":"{ref.sha256}"',
+                                              kept.column("payload_tail"), "")
+        return pa.table({
+            "stream": streams, "type": pa.array(["trace.ingested"] * n, pa.string()), "payload": payload,
+            "causation": pa.array([causation] * n, pa.list_(pa.string())),
+        }, schema=BATCH_SCHEMA)
+
+    def _quarantine_event(self, b: Batch, quarantine: list[dict[str, Any]], ingest_id: str, file_sha: str,
+                          stream: str, extra: dict[str, Any] | None) -> _EventRow:
+        """Write the batch's quarantine artifact; the ``trace.quarantined`` event that records it."""
+        qt = pa.Table.from_pylist(quarantine, schema=QUARANTINE_SCHEMA)
+        qref = self.artifacts.put_table(qt)
+        by_reason = dict(sorted(Counter(q["reason"] for q in quarantine).items()))
+        qpayload = {
+            "ingest": ingest_id, "file": quarantine[0]["file"], "file_sha256": file_sha, "batch": b.no,
+            "records": len(quarantine), "by_reason": by_reason,
+            "artifact": {"sha256": qref.sha256, "rows": qt.num_rows},
+            "resolved_lines": [], "remaining": len(quarantine),
+        }
+        qpayload.update(extra or {})
+        return _EventRow(stream, "trace.quarantined", canonical_json(qpayload), [ingest_id])
+
+    def _merge_failures(self, b: Batch, kept: pa.Table) -> _FailureMerge:
+        """Group the batch's new failure traces by identity and merge each group with the stored state
+        (from this committer's cache, else the store): one ``failure.classified`` event per failure."""
+        fails = kept.filter(pc.is_valid(kept.column("failure_id"))) if kept.num_rows else kept
         groups: dict[str, list[int]] = {}
         for i, fid in enumerate(fails.column("failure_id").to_pylist()):
             groups.setdefault(fid, []).append(i)
@@ -362,61 +446,55 @@ class _Committer:
         states = {fid: cache[fid] for fid in groups if fid in cache}
         missing = [fid for fid in groups if fid not in cache]
         states.update((k, (orjson.loads(v), ver)) for k, (v, ver) in self.store.entity_heads(missing).items())
-        # The versions this batch builds on: new traces must still be new, failures at the version read.
-        expected: dict[str, int] = dict.fromkeys(streams.to_pylist(), 0) if n else {}
+        rows: list[_EventRow] = []
         written: dict[str, dict[str, Any]] = {}
+        versions: dict[str, int] = {}
         new = upd = 0
         for fid, idxs in groups.items():
             tids = [f_tids[i] for i in idxs]
             tss = [f_tss[i] for i in idxs]
             kinds = sorted({k for i in idxs for k in f_kinds[i]}, key=FAILURE_KINDS.index)
             old, version = states.get(fid, (None, 0))
-            expected[fid] = version
+            versions[fid] = version
             if old is None:
                 # The batch's first trace of this failure carries the content (identical by definition).
-                payload = dict(b.first_payloads[fid])
-                payload.update(kinds=kinds, trace_ids=tids[:MAX_TRACE_IDS],
-                               trace_ids_truncated=len(tids) > MAX_TRACE_IDS, occurrences=len(tids),
-                               first_seen=min(tss), last_seen=max(tss))
+                payload = _first_failure_state(b.first_payloads[fid], tids, tss, kinds)
                 new += 1
             else:
-                payload = dict(old)
-                all_ids = list(old.get("trace_ids", [])) + [t for t in tids if t not in set(old.get("trace_ids", []))]
-                payload["trace_ids"] = all_ids[:MAX_TRACE_IDS]
-                payload["trace_ids_truncated"] = old.get("trace_ids_truncated", False) or len(all_ids) > MAX_TRACE_IDS
-                payload["occurrences"] = int(old.get("occurrences", 0)) + len(idxs)
-                payload["first_seen"] = min([old.get("first_seen") or tss[0], *tss])
-                payload["last_seen"] = max([old.get("last_seen") or tss[0], *tss])
-                payload["kinds"] = sorted(set(old.get("kinds", [])) | set(kinds), key=FAILURE_KINDS.index)
+                payload = _merged_failure_state(old, tids, tss, kinds)
                 upd += 1
             written[fid] = payload
-            ev_stream.append(fid)
-            ev_type.append("failure.classified")
-            ev_payload.append(canonical_json(payload))
-            ev_cause.append([f"trace:{t}" for t in tids])
-        if ev_stream:
-            events.append(pa.table({"stream": ev_stream, "type": ev_type, "payload": ev_payload,
-                                    "causation": ev_cause}, schema=BATCH_SCHEMA))
-        if events:
-            table = events[0] if len(events) == 1 else pa.concat_tables(events)
-            res = self.store.append_batch(table, correlation_id=self.correlation_id, validated=True,
-                                          expected_versions=expected)
-            if res.rejected:
-                # Checked just before (_collisions): only a name another writer recorded since can be
-                # refused here. Those rows are not in the store; say which, loudly, and go on.
-                raise StoreError("ingest: the store refused events of this batch after the collision check "
-                                 f"(another writer recorded a colliding entity id meanwhile): {res.rejected[0]['reason']}; "
-                                 f"{len(res.rejected)} event(s) refused, the rest appended; run the ingest again "
-                                 "to quarantine them")
-            s.events_appended += res.appended
-            if res.already_recorded:
-                cache.clear()
-            else:
-                for fid, payload in written.items():
-                    cache[fid] = (payload, expected[fid] + 1)
-                    cache.move_to_end(fid)
-                while len(cache) > FAILURE_STATE_CACHE:
-                    cache.popitem(last=False)
+            rows.append(_EventRow(fid, "failure.classified", canonical_json(payload), [f"trace:{t}" for t in tids]))
+        return _FailureMerge(rows=rows, states=written, versions=versions, new=new, updated=upd)
+
+    def _append(self, events: list[pa.Table], expected: dict[str, int], written: dict[str, dict[str, Any]]) -> None:
+        """The batch's one ``append_batch``; then the failure states it wrote go into the cache."""
+        table = events[0] if len(events) == 1 else pa.concat_tables(events)
+        res = self.store.append_batch(table, correlation_id=self.correlation_id, validated=True,
+                                      expected_versions=expected)
+        if res.rejected:
+            # Checked just before (_collisions): only a name another writer recorded since can be
+            # refused here. Those rows are not in the store; say which, loudly, and go on.
+            raise StoreError("ingest: the store refused events of this batch after the collision check "
+                             f"(another writer recorded a colliding entity id meanwhile): {res.rejected[0]['reason']}; "
+                             f"{len(res.rejected)} event(s) refused, the rest appended; run the ingest again "
+                             "to quarantine them")
+        self.summary.events_appended += res.appended
+        cache = self._failure_states
+        if res.already_recorded:
+            cache.clear()
+        else:
+            for fid, payload in written.items():
+                cache[fid] = (payload, expected[fid] + 1)
+                cache.move_to_end(fid)
+            while len(cache) > FAILURE_STATE_CACHE:
+                cache.popitem(last=False)
+
+    def _tally(self, kept: pa.Table, quarantine: list[dict[str, Any]], failures: _FailureMerge) -> None:
+        """The committed batch's traces, successes, failure kinds, quarantine reasons and failures, into
+        the summary."""
+        s = self.summary
+        n = kept.num_rows
         s.ingested += n
         if n:
             s.successes += pc.sum(pc.equal(kept.column("status"), "success")).as_py() or 0
@@ -424,8 +502,8 @@ class _Committer:
                 s.failures_by_kind[item["values"]] = s.failures_by_kind.get(item["values"], 0) + item["counts"]
         for q in quarantine:
             s.quarantined_by_reason[q["reason"]] = s.quarantined_by_reason.get(q["reason"], 0) + 1
-        s.new_failures += new
-        s.updated_failures += upd
+        s.new_failures += failures.new
+        s.updated_failures += failures.updated
 
     def _collisions(self, kept: pa.Table, streams: pa.Array, quarantine: list[dict[str, Any]], file: str,
                     file_sha: str, fmt: str) -> tuple[pa.Table, pa.Array]:
