@@ -42,15 +42,16 @@ from typing import Any
 import pyarrow as pa
 
 from flywheel.artifacts import ArtifactError, ArtifactStore
-from flywheel.config import FlywheelConfig
-from flywheel.envs.harness import run_episodes
-from flywheel.policy.base import SamplingParams
+from flywheel.config import FlywheelConfig, GateConfig
+from flywheel.envs.harness import Episode, HarnessContext, run_episodes
+from flywheel.policy.base import Policy, SamplingParams
 from flywheel.policy.hf import HFPolicy
 from flywheel.policy.registry import ModelRefError, load_policy_for_version
 from flywheel.store import EventStore, NewEvent
 from flywheel.tracking import Tracker
-from flywheel.versioning import load_suite
+from flywheel.versioning import Suite, load_suite
 from flywheel.vocab.ids import SHORT_HEX, canonical_json, digest, short_id
+from flywheel.vocab.records import EvalItemRow, TaskRecord
 from flywheel.vocab.refs import model_entity, parse_versioned_ref
 
 ITEM_SCHEMA = pa.schema(
@@ -126,6 +127,8 @@ class ModelRef:
         return self.entity_id or f"base:{self.spec}"
 
 
+# Returns a Policy; typed Any because loaders are also handed on as plain callables (the gate's
+# shares one loaded model between suites and declares it ``object``).
 PolicyLoader = Callable[[ModelRef], Any]
 
 
@@ -133,7 +136,7 @@ def default_policy_loader(cfg: FlywheelConfig, tracker: Tracker) -> PolicyLoader
     """Load a :class:`ModelRef` with the HF backend (registered versions through
     :func:`flywheel.policy.registry.load_policy_for_version`)."""
 
-    def load(ref: ModelRef) -> Any:
+    def load(ref: ModelRef) -> Policy:
         if ref.is_base:
             return HFPolicy.from_spec(
                 ref.spec, home=cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype, name="base", version="base"
@@ -160,7 +163,7 @@ def parse_suite_spec(spec: str) -> tuple[str, int | None]:
         raise EvaluationError(str(e)) from None
 
 
-def resolve_suite(store: EventStore, artifacts: ArtifactStore, suite: Any) -> Any:
+def resolve_suite(store: EventStore, artifacts: ArtifactStore, suite: Suite | str) -> Suite:
     """A suite object (``entity_id``, ``name``, ``version``, ``tasks``) from an object or a spec string."""
     if not isinstance(suite, str):
         return suite
@@ -223,7 +226,7 @@ class EvalResult:
         }
 
 
-def decoding_for(gate_cfg: Any) -> dict[str, Any]:
+def decoding_for(gate_cfg: GateConfig) -> dict[str, Any]:
     """The decoding every gate evaluation uses (part of the cache key)."""
     k = int(getattr(gate_cfg, "pass_k", 1))
     return {
@@ -240,13 +243,13 @@ def evaluation_id_for(model: ModelRef, suite_id: str, decoding: Mapping[str, Any
     return f"evaluation:{model.key}@{suite_id.removeprefix('suite:')}#{h}"
 
 
-def _get(task: Any, key: str, default: Any = None) -> Any:
+def _get(task: object, key: str, default: object = None) -> Any:
     if isinstance(task, Mapping):
         return task.get(key, default)
     return getattr(task, key, default)
 
 
-def _episode_text(ep: Any) -> str | None:
+def _episode_text(ep: object) -> str | None:
     for attr in ("completion_text", "completion", "text"):
         v = getattr(ep, attr, None)
         if isinstance(v, str):
@@ -259,7 +262,7 @@ def _episode_text(ep: Any) -> str | None:
     return None
 
 
-def item_row(task: Any, episodes: Sequence[Any]) -> dict[str, Any]:
+def item_row(task: TaskRecord, episodes: Sequence[Episode]) -> EvalItemRow:
     """One :data:`ITEM_SCHEMA` row from a task and its episodes (one per sample)."""
     md = _get(task, "metadata", {}) or {}
     verdicts = [ep.verdict for ep in episodes]
@@ -293,7 +296,7 @@ def item_row(task: Any, episodes: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-def task_hash(task: Any) -> str:
+def task_hash(task: TaskRecord) -> str:
     """SHA-256 of the canonical JSON of a task record (what decides an item's result with the model)."""
 
     body = dict(task) if isinstance(task, Mapping) else {k: _get(task, k) for k in ("task_id", "prompt", "verifier",
@@ -340,12 +343,12 @@ def evaluate_model(
     artifacts: ArtifactStore,
     tracker: Tracker,
     model_version: int | ModelRef,
-    suite: Any,
+    suite: Suite | str,
     *,
-    policy: Any = None,
+    policy: Policy | None = None,
     policy_loader: PolicyLoader | None = None,
     correlation_id: str | None = None,
-    context: Any = None,
+    context: HarnessContext = None,
 ) -> EvalResult:
     """Evaluate ``model_version`` (of ``[cycle] model_name``, or a :class:`ModelRef`) on ``suite``.
 
@@ -378,7 +381,9 @@ def evaluate_model(
     t0 = time.perf_counter()
     # The harness takes sandbox limits, judge endpoint and max_turns from the config by default.
     run = [tasks[i] for i in todo]
-    episodes = run_episodes(run, policy, params, context=context if context is not None else cfg) if run else []
+    # policy is not None here: run is non-empty only when todo is, and then it was loaded above
+    episodes = run_episodes(run, policy, params,  # type: ignore[arg-type]
+                            context=context if context is not None else cfg) if run else []
     wall = time.perf_counter() - t0
     if len(episodes) != len(run):
         raise EvaluationError(f"harness returned {len(episodes)} episode groups for {len(run)} tasks of {suite_id}")

@@ -3,7 +3,8 @@ consume them (environments, rollouts, SFT, the gate). Pure: no store, no model.
 
 The task record (the contract rollouts, synth, SFT and the gate consume)
 ------------------------------------------------------------------------
-A JSON-serialisable dict::
+A JSON-serialisable dict, typed :class:`flywheel.vocab.records.EvalTask` (whose module also maps
+every other record that crosses a stage boundary)::
 
     {"task_id": "eval:<16 hex>",
      "prompt": {"messages": [...OpenAI messages...], "tools": [...OpenAI function specs...]},
@@ -38,6 +39,7 @@ A JSON-serialisable dict::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from flywheel.vocab.ids import canonical_json
@@ -52,8 +54,14 @@ class TaskError(ValueError):
     """A task record breaks the contract; the message names the task and the field."""
 
 
-def validate_task(task: Any) -> dict:
-    """Check a task record against the contract; raise :class:`TaskError` naming what is wrong."""
+def validate_task(task: object) -> dict[str, Any]:
+    """Check a task record against the contract; raise :class:`TaskError` naming what is wrong.
+
+    Takes anything (a non-dict is refused); returns a new record shaped as
+    :class:`~flywheel.vocab.records.EvalTask`, with all seven keys of :data:`TASK_KEYS` (absent
+    optional ones as ``None``) and its own copy of ``metadata``. Typed ``dict[str, Any]``, not
+    ``EvalTask``: its callers keep the records in ``dict`` s (``Env.tasks``), and mypy refuses a
+    TypedDict where a ``dict`` is declared."""
     if not isinstance(task, dict):
         raise TaskError(f"a task must be a dict, got {type(task).__name__}")
     tid = task.get("task_id", "<no task_id>")
@@ -84,6 +92,7 @@ def validate_task(task: Any) -> dict:
     return out
 
 
-def task_from_state(state: dict) -> dict:
-    """The task record inside an ``eval.created`` payload (the payload minus event-only keys)."""
+def task_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The task record inside an ``eval.created`` payload (the payload minus event-only keys), shaped as
+    :class:`~flywheel.vocab.records.EvalTask` (a ``dict`` for the reason :func:`validate_task` gives)."""
     return {k: state.get(k) for k in TASK_KEYS}

@@ -64,14 +64,34 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from flywheel.envs.tools import Observation, ToolEnv
-from flywheel.policy.base import coerce_params
+from flywheel.policy.base import Policy, Sample, SamplingParams, coerce_params
 from flywheel.policy.format import render_prompt
 from flywheel.verifiers import Verdict, VerifyContext, parse_tool_calls, verify
+from flywheel.vocab.records import ChatMessage, TaskRecord, ToolSpec
+from flywheel.vocab.toolcalls import ToolCall
+
+if TYPE_CHECKING:  # annotations only: the harness reads a config duck-typed and never imports it
+    from flywheel.config import FlywheelConfig, SandboxConfig
+
+#: What :func:`run_episodes`, :func:`verify_task` and :func:`verify_context` take as ``context``,
+#: the one place its four shapes are named:
+#:
+#: - ``None``: default sandbox and judge (a :class:`VerifyContext` of defaults is built by the
+#:   verifiers), ``max_turns`` 4, 4 verify workers;
+#: - a ``FlywheelConfig``: its ``sandbox``, ``judge`` and ``rollout.max_turns``;
+#: - a :class:`VerifyContext`: sandbox and judge as given;
+#: - a dict with any of ``cfg`` (a FlywheelConfig, as above), ``verify_context`` (a VerifyContext,
+#:   taking precedence over ``cfg``'s), ``max_turns``, ``verify_workers``.
+#:
+#: Only a ``dict`` is read by key (a config or context is read by attribute), hence ``dict`` and not
+#: ``Mapping``.
+HarnessContext: TypeAlias = "FlywheelConfig | VerifyContext | dict[str, Any] | None"
 
 _SENTINEL = "\ue000flywheel-turn-boundary\ue001"
 DEFAULT_MAX_TURNS = 4
@@ -83,7 +103,7 @@ class Episode:
 
     task_id: str
     sample_idx: int
-    messages: list[dict]  # the whole conversation: prompt messages + what the episode produced
+    messages: list[ChatMessage]  # the whole conversation: prompt messages + what the episode produced
     completion_text: str  # model turns and environment segments, concatenated in order
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
@@ -91,7 +111,7 @@ class Episode:
     loss_mask: list[int]
     finish_reason: str
     truncated: bool
-    verdict: Any  # flywheel.verifiers.Verdict
+    verdict: Verdict
     gen_ms: float
     verify_ms: float
     turns: int
@@ -111,9 +131,9 @@ class Episode:
 
 @dataclass
 class _State:
-    task: dict
+    task: TaskRecord
     sample_idx: int
-    history: list[dict]  # prompt + generated turns (assistant turns as raw model text)
+    history: list[ChatMessage]  # prompt + generated turns (assistant turns as raw model text)
     prompt_ids: list[int]
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -132,37 +152,37 @@ class _State:
 
 
 # ------------------------------------------------------------------------------ context helpers
-def _ctx_get(context: Any, key: str, default: Any = None) -> Any:
+def _ctx_get(context: HarnessContext, key: str, default: object = None) -> Any:
     if isinstance(context, dict):
         return context.get(key, default)
     return getattr(context, key, default)
 
 
-def _cfg(context: Any) -> Any:
+def _cfg(context: HarnessContext) -> FlywheelConfig | None:
     if context is not None and hasattr(context, "rollout") and hasattr(context, "sandbox"):
-        return context  # a FlywheelConfig
+        return context  # type: ignore[return-value]  # a FlywheelConfig (read duck-typed: rollout, sandbox)
     return _ctx_get(context, "cfg")
 
 
-def _max_turns(context: Any) -> int:
+def _max_turns(context: HarnessContext) -> int:
     v = None if _cfg(context) is context else _ctx_get(context, "max_turns")
     if v is None:
         v = getattr(getattr(_cfg(context), "rollout", None), "max_turns", None)
     return int(v or DEFAULT_MAX_TURNS)
 
 
-def _sandbox_cfg(context: Any) -> Any:
+def _sandbox_cfg(context: HarnessContext) -> SandboxConfig | None:
     return getattr(verify_context(context), "sandbox", None)
 
 
 # ------------------------------------------------------------------------------ verification
-def _calls_of(message: dict) -> list:
+def _calls_of(message: ChatMessage) -> list[ToolCall]:
     res = parse_tool_calls(message)
     return [] if res.error else list(res.calls)
 
 
-def verify_context(context: Any) -> VerifyContext | None:
-    """The :class:`flywheel.verifiers.VerifyContext` for ``context`` (see :func:`run_episodes`)."""
+def verify_context(context: HarnessContext) -> VerifyContext | None:
+    """The :class:`flywheel.verifiers.VerifyContext` for ``context`` (see :data:`HarnessContext`)."""
     if context is None or isinstance(context, VerifyContext):
         return context
     vc = _ctx_get(context, "verify_context")
@@ -174,7 +194,7 @@ def verify_context(context: Any) -> VerifyContext | None:
     return VerifyContext(sandbox=cfg.sandbox, judge=cfg.judge)
 
 
-def verify_task(task: dict, trajectory: list[dict], context: Any = None) -> Verdict:
+def verify_task(task: TaskRecord, trajectory: list[ChatMessage], context: HarnessContext = None) -> Verdict:
     """Score ``trajectory`` (the whole conversation, prompt included) for ``task``; a ``Verdict``."""
     spec = task["verifier"]
     env = task.get("tool_env") or {}
@@ -207,7 +227,7 @@ def verify_task(task: dict, trajectory: list[dict], context: Any = None) -> Verd
 
 
 # ------------------------------------------------------------------------------ the loop
-def _env_segment(tokenizer: Any, history: list[dict], tools: list[dict], tool_msgs: list[dict],
+def _env_segment(tokenizer: Any, history: list[ChatMessage], tools: list[ToolSpec], tool_msgs: list[ChatMessage],
                  last_model_id: int | None) -> str:
     """Template text between the end of the model's turn and the start of its next one."""
     msgs = [*history[:-1], {"role": "assistant", "content": _SENTINEL}, *tool_msgs]
@@ -223,7 +243,7 @@ def _env_segment(tokenizer: Any, history: list[dict], tools: list[dict], tool_ms
     return seg
 
 
-def _add_model_turn(st: _State, sample: Any) -> None:
+def _add_model_turn(st: _State, sample: Sample) -> None:
     if st.endpoint is None:
         st.endpoint = (getattr(sample, "extra", None) or {}).get("endpoint")
     st.completion_ids.extend(sample.completion_token_ids)
@@ -239,7 +259,7 @@ def _add_model_turn(st: _State, sample: Any) -> None:
     st.history.append({"role": "assistant", "content": sample.text})
 
 
-def _step_env(st: _State, sample: Any, max_turns: int, tokenizer: Any, ctx_limit: int | None,
+def _step_env(st: _State, sample: Sample, max_turns: int, tokenizer: Any, ctx_limit: int | None,
               max_new: int) -> None:
     """After a model turn: decide whether the episode ends; else answer its calls."""
     if sample.truncated or sample.finish_reason == "length":
@@ -276,23 +296,26 @@ def _step_env(st: _State, sample: Any, max_turns: int, tokenizer: Any, ctx_limit
         st.finish_reason, st.truncated, st.done = "length", True, True
 
 
-def _ctx_limit(policy: Any) -> int | None:
+def _ctx_limit(policy: Policy) -> int | None:
     cfg = getattr(getattr(policy, "model", None), "config", None)
     v = getattr(cfg, "max_position_embeddings", None)
     return int(v) if isinstance(v, int) else None
 
 
-def _turn_params(params: Any, turn: int) -> Any:
+def _turn_params(params: SamplingParams, turn: int) -> SamplingParams:
     seed = None if params.seed is None else int(params.seed) + 7919 * turn
     return dataclasses.replace(params, n=1, seed=seed)
 
 
-def run_episodes(tasks: list[dict], policy: Any, params: Any, *, context: Any = None) -> list[list[Episode]]:
+def run_episodes(tasks: Sequence[TaskRecord], policy: Policy, params: SamplingParams | int | None, *,
+                 context: HarnessContext = None) -> list[list[Episode]]:
     """Sample ``params.n`` episodes per task, run each through its harness and verify it.
 
-    ``context``: ``None``, a ``FlywheelConfig``, a ``VerifyContext``, or a dict with any of ``cfg``
-    (a FlywheelConfig: sandbox limits, judge, ``rollout.max_turns``), ``verify_context``,
-    ``max_turns``, ``verify_workers``. The verifiers get a ``VerifyContext`` built from it.
+    ``tasks``: task records (:class:`flywheel.vocab.records.EvalTask`). ``params``: what
+    :func:`flywheel.policy.base.coerce_params` takes (``None`` -> defaults, an int -> ``n``).
+    ``context``: one of the four shapes of :data:`HarnessContext` (``None``, a ``FlywheelConfig``, a
+    ``VerifyContext``, or a dict with any of ``cfg``, ``verify_context``, ``max_turns``,
+    ``verify_workers``). The verifiers get a ``VerifyContext`` built from it.
     """
     params = coerce_params(params)
     if not tasks:
@@ -313,7 +336,8 @@ def run_episodes(tasks: list[dict], policy: Any, params: Any, *, context: Any = 
     return _verify(rows, context)
 
 
-def _sample(tasks: list[dict], policy: Any, params: Any, max_turns: int, sandbox_cfg: Any) -> list[list[_State]]:
+def _sample(tasks: Sequence[TaskRecord], policy: Policy, params: SamplingParams, max_turns: int,
+            sandbox_cfg: SandboxConfig | None) -> list[list[_State]]:
     """Generate every task's ``params.n`` episodes (all turns) with ``policy``; not yet verified."""
     tokenizer = getattr(policy, "tokenizer", None)
     from_ids = callable(getattr(policy, "generate_from_ids", None)) and tokenizer is not None
@@ -332,7 +356,8 @@ def _sample(tasks: list[dict], policy: Any, params: Any, max_turns: int, sandbox
                         prompt_ids=list(s.prompt_token_ids), exact=from_ids)
             _add_model_turn(st, s)
             if t["harness"] == "tool_loop":
-                st.env = ToolEnv(t.get("tool_env"), t["prompt"].get("tools"), sandbox_cfg)
+                # ToolEnv declares the spec a dict; mypy refuses the ToolEnvSpec TypedDict there
+                st.env = ToolEnv(t.get("tool_env"), t["prompt"].get("tools"), sandbox_cfg)  # type: ignore[arg-type]
                 _step_env(st, s, max_turns, tokenizer, ctx_limit, params.max_new_tokens)
             else:
                 st.done = True
@@ -349,7 +374,8 @@ def _sample(tasks: list[dict], policy: Any, params: Any, max_turns: int, sandbox
         turn += 1
         p = _turn_params(params, turn)
         if from_ids:
-            out = policy.generate_from_ids([st.prompt_ids + st.completion_ids for st in live], p)
+            # not part of Policy: the Hugging Face backend's, and from_ids says this one has it
+            out = policy.generate_from_ids([st.prompt_ids + st.completion_ids for st in live], p)  # type: ignore[attr-defined]
         else:
             out = policy.generate([st.history for st in live], p,
                                   tools=[st.task["prompt"].get("tools") or [] for st in live])
@@ -360,12 +386,12 @@ def _sample(tasks: list[dict], policy: Any, params: Any, max_turns: int, sandbox
     return states
 
 
-def _verify(states: list[list[_State]], context: Any) -> list[list[Episode]]:
+def _verify(states: list[list[_State]], context: HarnessContext) -> list[list[Episode]]:
     """Score every sampled episode (a thread pool, see the module docstring) into :class:`Episode` s."""
     flat = [st for row in states for st in row]
     workers = int((_ctx_get(context, "verify_workers", 4) if isinstance(context, dict) else 4) or 1)
 
-    def score(st: _State) -> tuple[Any, float]:
+    def score(st: _State) -> tuple[Verdict, float]:
         t0 = time.perf_counter()
         v = verify_task(st.task, st.history, context)
         env_errors = [o["infra_error"] for o in st.observations if o.get("infra_error")]

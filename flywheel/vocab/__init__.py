@@ -14,6 +14,8 @@ any module may use it.
 - :mod:`~flywheel.vocab.text`: the normalisers that define failure ids, request hashes and
   ``exact`` verdicts.
 - :mod:`~flywheel.vocab.errors`: :class:`InfraError`.
+- :mod:`~flywheel.vocab.records`: the typed records that cross stage boundaries (:class:`EvalTask`,
+  the Parquet rows) and the map of every stage-to-stage contract.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from flywheel.vocab.errors import InfraError
 from flywheel.vocab.ids import canonical_json, content_id, digest, json_id, sha256_file, short_id
 from flywheel.vocab.kinds import FAILURE_KINDS, SPLITS, SUITES, TOOL_CALL_KINDS
 from flywheel.vocab.messages import answer_message, last_index, message_text, require_text, text_of
+from flywheel.vocab.records import EvalItemRow, EvalTask, PreferenceRow, RolloutRow, TaskMetadata, TaskRecord
 from flywheel.vocab.refs import (
     ENTITY_KINDS,
     ModelRefSpec,
@@ -57,7 +60,8 @@ from flywheel.vocab.tools import (
 
 __all__ = [
     "ENTITY_KINDS", "FAILURE_KINDS", "SPLITS", "SUITES", "TOOL_CALL_KINDS",
-    "ArgumentsError", "DecodedCall", "InfraError", "ModelRefSpec", "ParseResult", "ToolCall",
+    "ArgumentsError", "DecodedCall", "EvalItemRow", "EvalTask", "InfraError", "ModelRefSpec", "ParseResult",
+    "PreferenceRow", "RolloutRow", "TaskMetadata", "TaskRecord", "ToolCall",
     "answer_message", "answer_text", "call_function", "called_names", "canonical_json", "content_id",
     "decode_arguments", "decode_tool_calls", "digest", "entity_kind", "failure_text", "format_tool_calls",
     "function_doc", "function_of", "json_id", "last_index", "loads_strict", "message_text", "model_entity",
