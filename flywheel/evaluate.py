@@ -191,17 +191,17 @@ class EvalResult:
     cached: bool = False
     wall_s: float = 0.0
 
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[EvalItemRow]:
         return self.items.to_pylist()
 
-    def by_task(self) -> dict[str, dict[str, Any]]:
+    def by_task(self) -> dict[str, EvalItemRow]:
         return {r["task_id"]: r for r in self.rows()}
 
     @property
     def n_items(self) -> int:
         return self.items.num_rows
 
-    def scorable(self, include_nondeterministic: bool = False) -> list[dict[str, Any]]:
+    def scorable(self, include_nondeterministic: bool = False) -> list[EvalItemRow]:
         return [r for r in self.rows() if r["infra_error"] is None and (include_nondeterministic or r["deterministic"])]
 
     @property

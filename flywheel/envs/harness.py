@@ -227,8 +227,8 @@ def verify_task(task: TaskRecord, trajectory: list[ChatMessage], context: Harnes
 
 
 # ------------------------------------------------------------------------------ the loop
-def _env_segment(tokenizer: Any, history: list[ChatMessage], tools: list[ToolSpec], tool_msgs: list[ChatMessage],
-                 last_model_id: int | None) -> str:
+def _env_segment(tokenizer: Any, history: list[ChatMessage], tools: list[ToolSpec],
+                 tool_msgs: list[ChatMessage], last_model_id: int | None) -> str:
     """Template text between the end of the model's turn and the start of its next one."""
     msgs = [*history[:-1], {"role": "assistant", "content": _SENTINEL}, *tool_msgs]
     full = render_prompt(tokenizer, msgs, tools)
@@ -375,7 +375,8 @@ def _sample(tasks: Sequence[TaskRecord], policy: Policy, params: SamplingParams,
         p = _turn_params(params, turn)
         if from_ids:
             # not part of Policy: the Hugging Face backend's, and from_ids says this one has it
-            out = policy.generate_from_ids([st.prompt_ids + st.completion_ids for st in live], p)  # type: ignore[attr-defined]
+            out = policy.generate_from_ids(  # type: ignore[attr-defined]
+                [st.prompt_ids + st.completion_ids for st in live], p)
         else:
             out = policy.generate([st.history for st in live], p,
                                   tools=[st.task["prompt"].get("tools") or [] for st in live])

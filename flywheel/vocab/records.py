@@ -8,39 +8,37 @@ let a reader and mypy see the shape. tests/unit/test_records.py keeps each one e
 
 The contract map (data flows one way; docs/architecture.md, "Layers")
 ---------------------------------------------------------------------
-============  ======================================  ===================================  =====================================
-boundary      record                                  defined in                           schema
-============  ======================================  ===================================  =====================================
--> ingest     a trace (OpenAI chat + outcome)         plain JSON                           ``schemas/trace.schema.json``;
-                                                                                           GX ``schemas/gx/traces_batch.json``
-ingest ->     a failure (``failure.classified``       event payload (dict)                 :mod:`flywheel.events` (the catalog)
-evals         payload)
-evals ->      :class:`EvalTask` (eval and synth task  here (a dict at runtime)             :data:`flywheel.tasks.TASK_KEYS`,
-envs, synth,  records; metadata :class:`TaskMetadata`)                                     :func:`flywheel.tasks.validate_task`;
-rollouts,                                                                                  GX ``schemas/gx/synth_batch.json``
-train, gate                                                                                (synth candidates' feature rows)
-suites/envs   ``Suite`` / ``Env`` (a version: its     :mod:`flywheel.versioning`           ``suite.versioned`` / ``env.versioned``
-              ``tasks`` are :class:`EvalTask` s)                                           events + a Parquet of the tasks
-synth ->      ``Candidate``, ``Rejection``            :mod:`flywheel.synth.generators`,    ``synth.batch_accepted``; Parquet of
-envs                                                  :mod:`flywheel.synth.funnel`         accepted/rejected rows
-envs ->       ``Episode`` (one sampled episode)       :mod:`flywheel.envs.harness`         the token contract in its docstring
-rollouts,     ``Verdict`` / ``VerifyContext``         :mod:`flywheel.verifiers.registry`   ``verify(spec, trajectory, ctx)``
-gate          ``Sample`` / ``SamplingParams`` /       :mod:`flywheel.policy.base`
-              ``Policy``
-rollouts ->   :class:`RolloutRow` (one sample);       here; the group's rows are written   ``schemas/rollouts.py``
-train         ``RolloutSummary``                      by :mod:`flywheel.rollouts`          (``ROLLOUT_SCHEMA``);
-                                                                                           GX ``schemas/gx/rollouts.json``
-train         ``TrainSample``, ``MicroBatch``         :mod:`flywheel.train.data`           read from ``ROLLOUT_SCHEMA`` rows
-(inputs)      ``Demonstration`` (SFT)                 :mod:`flywheel.train.demos`          a task's ``reference``
-              :class:`PreferenceRow` /                here / :mod:`flywheel.train.         ``schemas/preferences.py``
-              ``PreferencePair`` (DPO/RPO)            preference`                          (``PREFERENCE_SCHEMA``);
-                                                                                           GX ``schemas/gx/preferences.json``
-              ``LossInputs``                          :mod:`flywheel.train.losses`
-evaluate ->   :class:`EvalItemRow` (one item);        here; ``EvalResult`` in              ``flywheel.evaluate.ITEM_SCHEMA``;
-gate          ``EvalResult``, ``ModelRef``            :mod:`flywheel.evaluate`             ``eval.completed`` event
-gate ->       ``GateEvidence``, ``GateDecision``      :mod:`flywheel.gate`                 ``gate.decided`` event
-deploy
-============  ======================================  ===================================  =====================================
+Per boundary: the record -- where it is defined -- its schema. Records marked *here* are in this
+module; the others are dataclasses that stay in the module of the stage that owns them.
+
+- **-> ingest**: a trace (OpenAI chat messages, tools, outcome, correction) -- plain JSON --
+  ``schemas/trace.schema.json``; the batch's GX suite ``schemas/gx/traces_batch.json``.
+- **ingest -> evals**: a failure, the ``failure.classified`` payload -- an event payload (dict) --
+  the event catalog :mod:`flywheel.events`.
+- **evals, synth -> envs, rollouts, train, gate**: :class:`EvalTask` (metadata :class:`TaskMetadata`)
+  -- *here* (a dict at runtime) -- :data:`flywheel.tasks.TASK_KEYS` and
+  :func:`flywheel.tasks.validate_task`; synth candidates also pass ``schemas/gx/synth_batch.json``.
+- **suites and environments**: ``Suite``, ``Env`` (a version; ``tasks`` are :class:`EvalTask` s) --
+  :mod:`flywheel.versioning` -- ``suite.versioned`` / ``env.versioned`` events and a JSON artifact
+  of the tasks.
+- **synth -> envs**: ``Candidate``, ``Rejection`` -- :mod:`flywheel.synth.generators`,
+  :mod:`flywheel.synth.funnel` -- ``synth.batch_accepted`` and its accepted/rejected Parquet.
+- **envs -> rollouts, gate, synth**: ``Episode`` -- :mod:`flywheel.envs.harness` (its ``context`` is
+  ``HarnessContext`` there) -- the token contract in that module's docstring; ``Verdict``,
+  ``VerifyContext`` -- :mod:`flywheel.verifiers.registry`; ``Policy``, ``SamplingParams``,
+  ``Sample`` -- :mod:`flywheel.policy.base`.
+- **rollouts -> train**: :class:`RolloutRow` (one sample; the ``K`` rows of a group share
+  ``group_id``) -- *here*, written by :mod:`flywheel.rollouts` (``RolloutSummary``) --
+  ``ROLLOUT_SCHEMA`` in ``schemas/rollouts.py``; GX ``schemas/gx/rollouts.json``. Read back as
+  ``TrainSample`` / ``MicroBatch`` -- :mod:`flywheel.train.data`.
+- **train inputs**: ``Demonstration`` (SFT, from a task's ``reference``) -- :mod:`flywheel.train.demos`;
+  :class:`PreferenceRow` (*here*) / ``PreferencePair`` -- :mod:`flywheel.train.preference` --
+  ``PREFERENCE_SCHEMA`` in ``schemas/preferences.py``; GX ``schemas/gx/preferences.json``;
+  ``LossInputs`` -- :mod:`flywheel.train.losses`.
+- **evaluate -> gate**: :class:`EvalItemRow` (one item; *here*), ``EvalResult``, ``ModelRef`` --
+  :mod:`flywheel.evaluate` -- its ``ITEM_SCHEMA`` and the ``eval.completed`` event.
+- **gate -> deploy**: ``GateEvidence``, ``GateDecision`` -- :mod:`flywheel.gate` -- the
+  ``gate.decided`` event.
 
 What the TypedDicts do not do: they check nothing at runtime (a malformed task is refused by
 :func:`flywheel.tasks.validate_task`, a malformed row by its Arrow schema when it is written), and
@@ -232,7 +230,8 @@ class PreferenceRow(TypedDict):
 
 class EvalItemRow(TypedDict):
     """One item of an evaluation (``ITEM_SCHEMA`` in :mod:`flywheel.evaluate`): one task's result
-    for one model and decoding, what the gate pairs between champion and challenger."""
+    for one model and decoding, what the gate pairs between champion and challenger. (The items of an
+    evaluation recorded before item reuse existed lack ``task_hash``.)"""
 
     task_id: str
     passed: bool
