@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,10 +271,10 @@ def item_row(task: TaskRecord, episodes: Sequence[Episode]) -> EvalItemRow:
     deterministic = all(getattr(v, "deterministic", True) for v in verdicts) and md.get("deterministic", True) is not False
     rewards = [float(v.reward) for v in verdicts]
 
-    def strs(v: Any) -> list[str]:
+    def strs(v: str | Iterable[object] | None) -> list[str]:
         return [str(x) for x in (v or [])] if not isinstance(v, str) else [v]
 
-    def opt(v: Any) -> str | None:
+    def opt(v: object) -> str | None:
         return None if v is None else str(v)
 
     return {
