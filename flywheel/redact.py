@@ -516,30 +516,37 @@ class Redactor:
         name = d.get("key", d.get("name"))
         return type(name) is str and is_secret_key(name)
 
-    def _keyed(self, k: Any, x: Any, *, keys: bool = False, schema: bool = False) -> Any:
+    def _keyed(self, k: Any, x: Any, *, keys: bool = False, schema: bool = False,
+               keep: frozenset[str] = frozenset()) -> Any:
         """``x`` redacted as the value of key ``k``: under a secret name every string in it goes,
         whatever its type (a list, an object, an OTLP ``AnyValue``); types are kept. ``schema``: ``k``
         names a parameter in a JSON Schema ``properties`` map, whose values are schemas, not data
         (``{"password": {"type": "string"}}``): only a string there is replaced."""
         if self._secret_name(k) and (type(x) is str or not schema):
             return self._all_strings(x)
-        return self.value(x, keys=keys, _parent=k)
+        return self.value(x, keys=keys, keep=keep, _parent=k)
 
-    def value(self, v: Any, *, keys: bool = False, _parent: Any = None) -> Any:
+    def value(self, v: Any, *, keys: bool = False, keep: frozenset[str] = frozenset(), _parent: Any = None) -> Any:
         """Redact every string in a JSON value; dict keys only when ``keys``. Types are kept; every
         string under a secret-named key (at any depth, in lists and objects under it too) and in the
         ``value`` of a ``{"key"|"name": <secret name>, "value": ...}`` pair is replaced whole (see the
-        module docstring)."""
+        module docstring). ``keep``: keys whose values are structure, not content, left as they are at
+        any depth (OTLP's ids and nanosecond timestamps: a 19-digit timestamp passes the Luhn check one
+        time in ten and would otherwise go as a card number)."""
         if isinstance(v, str):
             return self.text(v)
         if isinstance(v, list):
-            return [self.value(x, keys=keys) for x in v]
+            return [self.value(x, keys=keys, keep=keep) for x in v]
         if isinstance(v, dict):
             pair = self._pair_value_is_secret(v)
             schema = _parent == "properties"
             out: dict[Any, Any] = {}
             for k, x in v.items():
-                nx = self._all_strings(x) if pair and k == "value" else self._keyed(k, x, keys=keys, schema=schema)
+                if k in keep:
+                    out[k] = x
+                    continue
+                nx = (self._all_strings(x) if pair and k == "value"
+                      else self._keyed(k, x, keys=keys, schema=schema, keep=keep))
                 if keys and isinstance(k, str):
                     nk = self.text(k)
                     if nk != k and (nk in out or nk in v):

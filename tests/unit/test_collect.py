@@ -89,3 +89,26 @@ def test_http_gzip_json_api_key_and_errors(tmp_path):
                                                             "Authorization": "Bearer k3y"})
     assert bad.status_code == 400 and "JSON object" in bad.json()["message"]
     assert b.stats.requests == 1 and b.stats.rejected == 3
+
+
+def test_redaction_keeps_otlp_ids_and_timestamps_and_still_redacts_content(tmp_path):
+    """A nanosecond timestamp is 19 digits and passes the Luhn check one time in ten: the receiver's
+    redaction replaced it as a card number, the trace then started in 1970 and ingest quarantined it as
+    ``timestamp_out_of_range`` (seen in the full suite). Structure stays; content is still redacted."""
+    from flywheel.redact import Redactor
+
+    luhn_ts = "1793610000000000001"  # passes Luhn: a card number by shape
+    card = "4111 1111 1111 1111"
+    req = spans_request(TID_A, "a1b2c3d4e5f60718")
+    sp = req["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    sp["startTimeUnixNano"] = luhn_ts
+    sp["events"] = [{"timeUnixNano": luhn_ts, "name": "e", "attributes": []}]
+    sp["attributes"].append({"key": "gen_ai.prompt", "value": {"stringValue": f"pay with {card}"}})
+    b = Batcher(tmp_path, settle_s=10, clock=Clock(), redactor=Redactor())
+    b.add("traces", req)
+    (line,) = b.flush([TID_A]).read_text().splitlines()
+    out = json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert out["startTimeUnixNano"] == luhn_ts and out["events"][0]["timeUnixNano"] == luhn_ts
+    assert out["traceId"] == TID_A and out["spanId"] == "a1b2c3d4e5f60718"
+    prompt = next(a for a in out["attributes"] if a["key"] == "gen_ai.prompt")["value"]["stringValue"]
+    assert card not in prompt and "REDACTED" in prompt
