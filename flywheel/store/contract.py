@@ -12,7 +12,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,7 +116,11 @@ class AppendResult:
 
 
 
-def is_postgres_url(location: Any) -> bool:
+#: Query parameters handed to DuckDB or psycopg as they are: positional, or named for psycopg.
+SqlParams = Sequence[object] | Mapping[str, object] | None
+
+
+def is_postgres_url(location: object) -> bool:
     return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
 
 
@@ -247,7 +251,7 @@ class EventStore:
 
     backend = "abstract"
 
-    def __new__(cls, location: Any = None, *args: Any, **kw: Any) -> EventStore:
+    def __new__(cls, location: object = None, *args: Any, **kw: Any) -> EventStore:
         if cls is EventStore:
             if _backend_for is None:  # pragma: no cover - importing flywheel.store sets it
                 raise StoreError("no event store backend is set: import flywheel.store")

@@ -43,6 +43,7 @@ from flywheel.store.contract import (
     EventStore,
     InvalidEventError,
     NewEvent,
+    SqlParams,
     StoreError,
     StoreLockedError,
     StoreUnavailableError,
@@ -332,7 +333,7 @@ class DuckDBEventStore(EventStore):
                     self._cursors.remove(cur)
             cur.close()
 
-    def _q(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    def _q(self, sql: str, params: SqlParams = None) -> list[tuple[Any, ...]]:
         """Rows of a read query, in this process or through the owner (retried if the owner changes)."""
         while True:
             con = self._rcon()
@@ -342,7 +343,7 @@ class DuckDBEventStore(EventStore):
             if rows is not None:
                 return rows
 
-    def _qa(self, sql: str, params: Any = None) -> pa.Table:
+    def _qa(self, sql: str, params: SqlParams = None) -> pa.Table:
         while True:
             con = self._rcon()
             if self._remote is None:

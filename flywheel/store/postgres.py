@@ -60,6 +60,7 @@ from flywheel.store.contract import (
     Event,
     EventStore,
     InvalidEventError,
+    SqlParams,
     StoreError,
     StoreUnavailableError,
     redact_url,
@@ -315,7 +316,7 @@ class PostgresEventStore(EventStore):
                     deadline = deadline or time.monotonic() + RECONNECT_TIMEOUT_S
                     self._reconnect(deadline)
 
-    def _q(self, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    def _q(self, sql: str, params: SqlParams = None) -> list[tuple[Any, ...]]:
         rows: list[tuple[Any, ...]] = self._retrying(lambda: self.con.execute(sql, params).fetchall())
         return rows
 
@@ -849,7 +850,7 @@ class PostgresEventStore(EventStore):
             sql += f" LIMIT {int(limit)}"
         return pa.Table.from_batches(list(self._batches(sql, params, EVENTS_ARROW)), schema=EVENTS_ARROW)
 
-    def _batches(self, sql: str, params: Any, schema: pa.Schema, size: int = 50_000) -> Iterator[pa.RecordBatch]:
+    def _batches(self, sql: str, params: SqlParams, schema: pa.Schema, size: int = 50_000) -> Iterator[pa.RecordBatch]:
         """Rows of a query as Arrow record batches, through a server-side cursor (bounded memory)."""
         self._check_open()
         # A broken connection is replaced before the export starts (the first fetch); one that breaks

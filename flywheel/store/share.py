@@ -54,7 +54,13 @@ import pyarrow as pa
 
 from flywheel.store import contract
 from flywheel.store.batch import normalise_batch
-from flywheel.store.contract import AppendResult, ConcurrencyError, StoreError, StoreUnavailableError
+from flywheel.store.contract import (
+    AppendResult,
+    ConcurrencyError,
+    SqlParams,
+    StoreError,
+    StoreUnavailableError,
+)
 
 REQUEST_TIMEOUT_S = 600.0
 CONNECT_TIMEOUT_S = 5.0
@@ -408,7 +414,7 @@ class Client:
             _raise_error(reply["error"])
         return reply, body_in
 
-    def query(self, sql: str, params: Any = None) -> RemoteResult:
+    def query(self, sql: str, params: SqlParams = None) -> RemoteResult:
         _reply, body = self.request({"op": "query", "sql": sql, "params": params})
         return RemoteResult(_from_ipc(body))
 
@@ -464,10 +470,10 @@ class RemoteConnection:
     def __init__(self, client: Client):
         self._client = client
 
-    def execute(self, sql: str, params: Any = None) -> RemoteResult:
+    def execute(self, sql: str, params: SqlParams = None) -> RemoteResult:
         return self._client.query(sql, params)
 
-    def sql(self, sql: str, params: Any = None) -> RemoteResult:
+    def sql(self, sql: str, params: SqlParams = None) -> RemoteResult:
         return self._client.query(sql, params)
 
     def cursor(self) -> RemoteConnection:
