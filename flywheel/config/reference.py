@@ -53,7 +53,7 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `flywheel/config.py` by `flywheel config --reference` (a test keeps it in sync).",
+        "Generated from the models in `flywheel/config/` by `flywheel config --reference` (a test keeps it in sync).",
         "Precedence: defaults < `flywheel.toml` < environment < CLI flags. Environment variables (read by",
         "pydantic-settings): `FLYWHEEL_<FIELD>` for top-level fields (`FLYWHEEL_HOME`, `FLYWHEEL_WAREHOUSE`),",
         "`FLYWHEEL_<SECTION>__<FIELD>` at any depth (`FLYWHEEL_TRAIN__OBJECTIVE__EPS_HIGH`), a whole section as",
