@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from flywheel.store import EventStore, NewEvent, StoreError, StoreUnavailableError
-from flywheel.store import local as store_mod
+from flywheel.store import local_connection as store_mod
 from flywheel.store import share as store_share
 from flywheel.store.share import Client, OwnerGone, _recv, _send, _to_ipc, socket_path
 
