@@ -45,8 +45,12 @@ Concurrency, PostgreSQL
 
 Modules, each importing only those below it (the "store-layers" contract of pyproject.toml)
 - :mod:`~flywheel.store.factory`: which backend a location means; :func:`open_store`.
-- :mod:`~flywheel.store.postgres`: the PostgreSQL backend (and :func:`~flywheel.store.postgres.migrate_events`).
-- :mod:`~flywheel.store.local`: the DuckDB backend.
+- :mod:`~flywheel.store.postgres`: the PostgreSQL backend, its appends (and :func:`~flywheel.store.postgres.migrate_events`).
+- :mod:`~flywheel.store.local`: the DuckDB backend, its appends.
+- :mod:`~flywheel.store.postgres_reads`, :mod:`~flywheel.store.local_reads`: their queries.
+- :mod:`~flywheel.store.postgres_connection`, :mod:`~flywheel.store.local_connection`: their connections
+  (the DuckDB file opened, or reached through its owner); :mod:`~flywheel.store.postgres_copy`: a batch in
+  COPY's text form; :mod:`~flywheel.store.local_projections`: the DuckDB backend's projections.
 - :mod:`~flywheel.store.share`: one DuckDB file served by its owning process to the others.
 - :mod:`~flywheel.store.index`: the DuckDB backend's in-memory head index.
 - :mod:`~flywheel.store.batch`: an append batch normalised, checked and planned (both backends).
