@@ -6,13 +6,7 @@ from __future__ import annotations
 import copy
 import random
 
-from flywheel.synth.generators.base import (
-    Candidate,
-    GenContext,
-    Generator,
-    _new_task,
-    _words,
-)
+from flywheel.synth.generators.base import Candidate, GenContext, Generator, _new_task, _words
 from flywheel.synth.keys import LIMITS
 from flywheel.vocab.tools import tool_name
 

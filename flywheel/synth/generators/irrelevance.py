@@ -7,13 +7,7 @@ import copy
 import random
 
 from flywheel.dedup import tokens
-from flywheel.synth.generators.base import (
-    Candidate,
-    GenContext,
-    Generator,
-    _new_task,
-    _words,
-)
+from flywheel.synth.generators.base import Candidate, GenContext, Generator, _new_task, _words
 from flywheel.synth.keys import LIMITS
 from flywheel.vocab.messages import last_index, request_content_text
 from flywheel.vocab.tools import tool_name

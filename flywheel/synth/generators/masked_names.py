@@ -9,12 +9,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from flywheel.synth.generators.base import (
-    Candidate,
-    GenContext,
-    Generator,
-    _new_task,
-)
+from flywheel.synth.generators.base import Candidate, GenContext, Generator, _new_task
 from flywheel.vocab.tools import function_of
 
 _MASK_MODES = ("functions", "parameters", "both")

@@ -6,13 +6,7 @@ from __future__ import annotations
 import copy
 import random
 
-from flywheel.synth.generators.base import (
-    Candidate,
-    GenContext,
-    Generator,
-    _new_task,
-    _tool_call_seed,
-)
+from flywheel.synth.generators.base import Candidate, GenContext, Generator, _new_task, _tool_call_seed
 from flywheel.synth.generators.mutate import mutate_task
 from flywheel.vocab.ids import canonical_json
 from flywheel.vocab.messages import last_index, request_content_text
