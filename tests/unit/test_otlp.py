@@ -158,7 +158,7 @@ def test_any_shape_of_span_or_record_is_quarantined_never_raised():
 
 def test_array_and_kvlist_values_that_are_not_lists_read_as_empty():
     """Found by the property test above: ``{"arrayValue": {"values": true}}`` raised TypeError."""
-    from flywheel.ingest.otlp import any_value
+    from flywheel.ingest.otlp_decode import any_value
 
     for bad in (True, 3, "x", {"a": 1}, None):
         assert any_value({"arrayValue": {"values": bad}}) == []
