@@ -130,8 +130,8 @@ def test_weak_mode_is_an_infra_error_not_a_reward(monkeypatch):
 
     # No namespaces and not root: the pre-redesign harness ran the candidate as the verifier's uid
     # with the setup (nonce) in a file named on its command line.
-    monkeypatch.setattr(sb, "isolation_mode", lambda: "weak: simulated (no user namespaces)")
-    monkeypatch.setattr(sb.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(sb.isolation, "isolation_mode", lambda: "weak: simulated (no user namespaces)")
+    monkeypatch.setattr(sb.supervisor.os, "geteuid", lambda: 1000)
     forge = textwrap.dedent(
         """
         import json, os, sys

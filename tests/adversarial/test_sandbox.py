@@ -415,12 +415,12 @@ def _disk_free() -> int:
 def test_weak_mode_is_refused_unless_allowed_and_then_still_needs_positive_evidence(monkeypatch):
     import flywheel.sandbox as sb
 
-    monkeypatch.setattr(sb, "isolation_mode", lambda: "weak: simulated (no unshare)")
+    monkeypatch.setattr(sb.isolation, "isolation_mode", lambda: "weak: simulated (no unshare)")
     refused = run_python_tests(GOOD, TESTS, CFG, grading=GRADING)
     assert refused.infra_error and "sandbox.allow_weak" in refused.infra_error and not refused.passed
     weak = CFG.model_copy(update={"allow_weak": True})
     if os.path.exists("/usr/bin/python3"):
-        monkeypatch.setattr(sb, "PYTHON", "/usr/bin/python3")  # world-readable: the uid drop still works
+        monkeypatch.setattr(sb.supervisor, "PYTHON", "/usr/bin/python3")  # world-readable: the uid drop still works
     r = run_python_tests(GOOD, TESTS, weak, grading=GRADING)
     if r.infra_error:  # this interpreter sits under a private dir (pyenv in /root): refusing is honest
         assert "not readable by an unprivileged uid" in r.infra_error

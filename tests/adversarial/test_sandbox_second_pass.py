@@ -190,7 +190,7 @@ def test_isolation_report_says_when_the_sandbox_cannot_start(monkeypatch):
     """Finding 1, reporting: ``flywheel init``/``status`` printed "netns" and no warning on a machine
     where every sandbox run failed to start; the report now comes from a real probe run."""
     sb._probe_sandbox.cache_clear()
-    monkeypatch.setattr(sb, "PYTHON", "/nonexistent/bin/python3")
+    monkeypatch.setattr(sb.supervisor, "PYTHON", "/nonexistent/bin/python3")
     try:
         rep = sb.isolation_report(SandboxConfig())
         assert rep["trusted"] is False
@@ -450,7 +450,7 @@ def test_flywheel_status_says_when_the_sandbox_cannot_start(home, tmp_path, monk
 
     monkeypatch.chdir(tmp_path)
     sb._probe_sandbox.cache_clear()
-    monkeypatch.setattr(sb, "PYTHON", "/nonexistent/bin/python3")
+    monkeypatch.setattr(sb.supervisor, "PYTHON", "/nonexistent/bin/python3")
     try:
         r = CliRunner().invoke(app, ["status"])
     finally:

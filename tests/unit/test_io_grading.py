@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from flywheel.io_grading import NotIO, compile_io, decode_value
 from flywheel.sandbox import discover_tests
 
-HARNESS = Path(__file__).resolve().parents[2] / "flywheel" / "verifiers" / "_sandbox_harness.py"
+HARNESS = Path(__file__).resolve().parents[2] / "flywheel" / "sandbox" / "_harness_codec.py"
 
 
 def _harness():

@@ -27,11 +27,11 @@ def A(text: str) -> list[dict]:
 def weak(monkeypatch):
     """This machine without namespaces; the uid drop still works when we are root, so point the
     sandbox at a world-readable interpreter where one exists."""
-    monkeypatch.setattr(sb, "isolation_mode", lambda: "weak: simulated (no user namespaces)")
+    monkeypatch.setattr(sb.isolation, "isolation_mode", lambda: "weak: simulated (no user namespaces)")
     if os.geteuid() == 0:
         if not os.path.exists("/usr/bin/python3"):
             pytest.skip("needs a world-readable /usr/bin/python3 for the weak-mode uid drop")
-        monkeypatch.setattr(sb, "PYTHON", "/usr/bin/python3")
+        monkeypatch.setattr(sb.supervisor, "PYTHON", "/usr/bin/python3")
 
 
 def test_weak_sandbox_verdicts_are_infra_errors_by_default(weak):
@@ -58,19 +58,19 @@ def test_allowed_weak_verdicts_count_but_are_not_training_data(weak):
 
 def test_isolation_report_says_what_verdicts_become(monkeypatch):
     # The mapping from (isolation, cgroup, config) to words; whether a run starts is probed apart.
-    monkeypatch.setattr(sb, "_probe_sandbox", lambda python, cfg_json: None)
-    monkeypatch.setattr(sb, "isolation_mode", lambda: "weak: not running as root")
+    monkeypatch.setattr(sb.report, "_probe_sandbox", lambda python, cfg_json: None)
+    monkeypatch.setattr(sb.isolation, "isolation_mode", lambda: "weak: not running as root")
     r = sb.isolation_report(SandboxConfig())
     assert r["mode"] == "weak" and not r["trusted"] and "infrastructure errors" in r["verdicts"] and r["warning"]
     r = sb.isolation_report(SandboxConfig(allow_weak=True))
     assert r["verdicts"].startswith("WEAK") and "never training data" in r["verdicts"] and r["warning"]
-    monkeypatch.setattr(sb, "isolation_mode", lambda: "netns")
-    monkeypatch.setattr(sb, "cgroup_support", lambda: "none: not writable")
+    monkeypatch.setattr(sb.isolation, "isolation_mode", lambda: "netns")
+    monkeypatch.setattr(sb.cgroups, "cgroup_support", lambda: "none: not writable")
     r = sb.isolation_report(SandboxConfig(cgroup="require"))
     assert not r["trusted"] and "infrastructure errors" in r["verdicts"]
     r = sb.isolation_report(SandboxConfig())
     assert r["trusted"] and "no per-sandbox cgroup" in r["warning"]
-    monkeypatch.setattr(sb, "cgroup_support", lambda: "v2: memory.max + pids.max under /x")
+    monkeypatch.setattr(sb.cgroups, "cgroup_support", lambda: "v2: memory.max + pids.max under /x")
     assert sb.isolation_report(SandboxConfig())["warning"] == ""
 
 
@@ -86,8 +86,8 @@ def _fake_cgroup_fs(tmp_path: Path, monkeypatch, *, v2_controllers: str, v1: boo
             (tmp_path / ctl / "svc").mkdir(parents=True)
             mounts.append((str(tmp_path / ctl), "cgroup", f"rw,{ctl}"))
             own[ctl] = "/svc"
-    monkeypatch.setattr(sb, "_mounts", lambda: mounts)
-    monkeypatch.setattr(sb, "_own_cgroups", lambda: own)
+    monkeypatch.setattr(sb.cgroups, "_mounts", lambda: mounts)
+    monkeypatch.setattr(sb.cgroups, "_own_cgroups", lambda: own)
     sb._cgroup_support.cache_clear()
 
 
@@ -241,7 +241,7 @@ def test_init_and_status_report_the_sandbox(home, tmp_path, monkeypatch):
     runner = CliRunner()
     info = json.loads(runner.invoke(app, ["init", "--no-champion", "--json"]).stdout)
     assert set(info["sandbox"]) >= {"mode", "namespaces", "cgroup", "verdicts", "warning"}
-    monkeypatch.setattr(sb, "isolation_mode", lambda: "weak: not running as root")
+    monkeypatch.setattr(sb.isolation, "isolation_mode", lambda: "weak: not running as root")
     r = runner.invoke(app, ["status"])
     assert r.exit_code == 0 and "infrastructure errors" in r.stdout
     assert "WARNING (sandbox)" in r.stderr
@@ -265,7 +265,7 @@ def test_a_restrictive_umask_in_the_verifier_does_not_break_the_sandbox():
 def test_a_worker_that_fails_before_the_candidate_runs_is_an_infra_error(monkeypatch):
     # An rlimit the kernel refuses: the worker dies in its own setup, before any candidate code.
     # That says nothing about the candidate, so it must not become reward 0.
-    monkeypatch.setattr(sb, "_limits", lambda cfg: {"nofile": -5})
+    monkeypatch.setattr(sb.supervisor, "_limits", lambda cfg: {"nofile": -5})
     for grading in ("io", "in_process"):
         r = sb.run_python_tests("def sq(x):\n    return x * x\n", TESTS, FAST, grading=grading)
         assert r.infra_error and "could not start its worker" in r.infra_error, (grading, r)

@@ -165,7 +165,7 @@ def test_shell_kind():
 def test_sandbox_that_cannot_start_is_infra_error(monkeypatch):
     import flywheel.sandbox as sb
 
-    monkeypatch.setattr(sb, "PYTHON", "/nonexistent/bin/python3")
+    monkeypatch.setattr(sb.supervisor, "PYTHON", "/nonexistent/bin/python3")
     v = verify({"kind": "python_tests", "tests": PY_TESTS}, A("def sq(x): return x*x"), context=FAST)
     assert v.infra_error and ("did not start" in v.infra_error or "could not start" in v.infra_error)
     assert not v.ok_for_training and not v.passed
