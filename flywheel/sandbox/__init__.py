@@ -142,7 +142,8 @@ run into stages and ``benchmarks/bench_sandbox.py`` compares them with the pre-r
 Rooms
 -----
 - :mod:`~flywheel.sandbox.supervisor` -- ``run_python_tests``, ``run_shell``, ``discover_tests``,
-  ``SandboxResult``; one run as a list of steps (``_run``); ``PYTHON``, the sandbox's interpreter.
+  ``SandboxResult``; one run as a list of steps (``_run``); ``PYTHON``, the sandbox's interpreter
+  (a deployment sets ``flywheel.sandbox.supervisor.PYTHON``; the package does not re-export it).
 - :mod:`~flywheel.sandbox.isolation` -- ``isolation_mode`` (namespaces or weak, probed once).
 - :mod:`~flywheel.sandbox.cgroups` -- ``cgroup_support`` and one run's cgroup (memory, pids, cpu).
 - :mod:`~flywheel.sandbox.judging` -- what init's records and the result channel say: start failures,

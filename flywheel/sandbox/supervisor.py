@@ -74,7 +74,7 @@ GRADINGS = ("auto", "io", "proxy", "in_process")
 class SandboxResult:
     """Outcome of one sandboxed run.
 
-    ``passed`` is True only on positive evidence for every test (see the module docstring).
+    ``passed`` is True only on positive evidence for every test (see :mod:`flywheel.sandbox`).
     ``infra_error`` is set when the sandbox could not run or judge; then ``passed`` is False and the
     result says nothing about the candidate. ``isolation`` is ``"netns"`` or ``"weak: <why>"``;
     ``report`` says what this run got: ``mode``, ``namespaces``, ``uid``, ``cgroup``, ``grading`` (and
