@@ -143,7 +143,8 @@ Rooms
 -----
 - :mod:`~flywheel.sandbox.supervisor` -- ``run_python_tests``, ``run_shell``, ``discover_tests``,
   ``SandboxResult``; one run as a list of steps (``_run``); ``PYTHON``, the sandbox's interpreter
-  (a deployment sets ``flywheel.sandbox.supervisor.PYTHON``; the package does not re-export it).
+  (a deployment sets ``flywheel.sandbox.PYTHON``, as before the split: the package forwards reads and
+  assignments of that name to the supervisor, which reads it at each run).
 - :mod:`~flywheel.sandbox.isolation` -- ``isolation_mode`` (namespaces or weak, probed once).
 - :mod:`~flywheel.sandbox.cgroups` -- ``cgroup_support`` and one run's cgroup (memory, pids, cpu).
 - :mod:`~flywheel.sandbox.judging` -- what init's records and the result channel say: start failures,
@@ -159,6 +160,9 @@ Tests that replace an internal patch the module that uses it: ``isolation.isolat
 ``supervisor.PYTHON``, ``supervisor._limits``, ``cgroups.cgroup_support``, ``cgroups._mounts``,
 ``report._probe_sandbox``.
 """
+
+import sys
+import types
 
 # The rooms as attributes (a test replaces an internal in the module that uses it: sb.supervisor.PYTHON),
 # and the internals that tests read (F401): the probes' caches, the judges of raw records, a run's cgroup.
@@ -179,3 +183,21 @@ __all__ = [
     "cgroup_support",
     "GRADINGS",
 ]
+
+
+class _SandboxPackage(types.ModuleType):
+    """``flywheel.sandbox.PYTHON`` is the supervisor's: reading it reads ``supervisor.PYTHON`` and setting it
+    sets that, so the knob a deployment set before the package was split still reaches the code that runs
+    the sandbox (a plain re-export would be a copy, and assigning it would change nothing). A property, so
+    ``monkeypatch.setattr`` restores it through the same path."""
+
+    @property
+    def PYTHON(self) -> str:  # noqa: N802 (the module attribute's name)
+        return supervisor.PYTHON
+
+    @PYTHON.setter
+    def PYTHON(self, value: str) -> None:  # noqa: N802
+        supervisor.PYTHON = value
+
+
+sys.modules[__name__].__class__ = _SandboxPackage

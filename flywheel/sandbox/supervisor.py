@@ -370,7 +370,7 @@ def _prepare_fallback(run: _Run) -> SandboxResult | None:
             _cleanup(fallback, run.cgroup)
             return run.infra(
                 f"weak sandbox mode: interpreter dir {hidden[0]} is not readable by an unprivileged uid; "
-                "point flywheel.sandbox.supervisor.PYTHON at a world-readable interpreter"
+                "point flywheel.sandbox.PYTHON at a world-readable interpreter"
             )
     return None
 
