@@ -83,12 +83,25 @@ class _ReadFinder(ast.NodeVisitor):
     def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> None:
         a = node.args
         params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *(p for p in (a.vararg, a.kwarg) if p)]
-        scope = {p.arg: self._annotated(p.annotation) for p in params if p.annotation is not None}
+        # every parameter shadows the outer name: annotated ones are the configuration when annotated so,
+        # unannotated ones when named like it (``def f(cfg)``)
+        scope = {p.arg: self._annotated(p.annotation) if p.annotation is not None else p.arg in CONFIG_NAMES
+                 for p in params}
         self.scopes.append(scope)
         self.generic_visit(node)
         self.scopes.pop()
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        # a class body's names (a field ``cfg: int``) are the class's, not the module's: its methods do not
+        # see them as bare names
+        self.scopes.append({})
+        for child in node.body:
+            self.visit(child)
+        self.scopes.pop()
+        for child in (*node.bases, *node.keywords, *node.decorator_list):
+            self.visit(child)
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
         if isinstance(node.target, ast.Name):

@@ -126,3 +126,18 @@ def test_a_declared_config_section_no_longer_read_is_a_warning_and_an_unknown_on
     violations, _ = judge(reads, {"flywheel.gate": frozenset({"gate", "policy", "sinth"})}, [], sections)
     assert violations == ["flywheel.gate declares sinth, which is no section of the configuration\n"
                           "(pyproject.toml, the config-sections contract)"]
+
+
+def test_a_class_field_or_an_unannotated_parameter_does_not_hide_a_read():
+    """Found in review: a class field ``cfg: int`` anywhere in a module hid every ``def f(cfg): cfg.synth``
+    of that module (the class body was no scope of its own and an unannotated parameter shadowed nothing)."""
+    sys.path.insert(0, str(CI))
+    try:
+        from config_sections_contract import find_reads
+    finally:
+        sys.path.remove(str(CI))
+    source = ("class R:\n    cfg: int\n\n    def m(self, cfg):\n        return cfg.gate\n\n"
+              "def f(cfg):\n    return cfg.synth\n\n"
+              "def g(cfg: int):\n    return cfg.synth\n")
+    found = find_reads(source, frozenset({"gate", "synth"}))
+    assert [(s, line) for s, line, _ in found] == [("gate", 5), ("synth", 8)]
