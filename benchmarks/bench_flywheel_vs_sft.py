@@ -216,6 +216,7 @@ def main() -> int:
             ov = d.demo_overrides("cpu", home, seed)
             ov["train"]["first_pass_epochs"] = ov["train"]["first_pass_epochs"] * factor
             ov["train"]["arm_steps"] = max(1, round(ov["train"]["arm_steps"] * factor))
+            ov["train"]["continue_steps"] = round(ov["train"].get("continue_steps", 0) * factor)
             cfg = load_config(environ=environ, overrides=ov)
             tracker = Tracker(cfg)
             if args.cycle_home:

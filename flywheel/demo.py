@@ -76,14 +76,18 @@ PROFILES: dict[str, dict[str, Any]] = {
             "rollout": {"group_size": 4, "max_new_tokens": 48, "max_tasks": 8, "temperature": 1.0,
                         "dynamic_sampling": "drop"},
             # train.mode "arms" (flywheel.learn): one full SFT pass over every real correction (and, from
-            # cycle 2, the champion's successes and the earlier wave's corrections), then four arms of 3
+            # cycle 2, the champion's successes and the earlier wave's corrections), then four trial arms of 2
             # steps each from that checkpoint -- plain-SFT control, probe-aimed synthesis, RPO on the
             # policy's own failures, GRPO where groups carry signal -- chosen on a dev split; the control
-            # ships unless an arm beats it. Each arm is also capped at 240 process CPU-seconds: the targeted
+            # ships unless an arm beats it, and the chosen arm continues 16 more steps (continue_steps), so
+            # the budget goes into the model that ships: with 3 steps per arm and no continuation the shipped
+            # control had ~18 SFT steps where plain SFT in the same CPU-seconds had 42, and trailed it
+            # (benchmarks/README.md). Each trial is also capped at 240 process CPU-seconds: the targeted
             # arm's synthetic prompts (distractor tools) are ~4x longer, measured 804 CPU-s for 3 steps uncapped.
             # prompt_grad stays "full": the one run with "answer_only" (commit 9bd5974) promoted cycle 1 on
             # 5/44 held-out items, against 11-13/44 for the full gradient before the learning stage.
-            "train": {"mode": "arms", "loss": "dapo", "first_pass_epochs": 1.0, "arm_steps": 3, "batch_size": 8,
+            "train": {"mode": "arms", "loss": "dapo", "first_pass_epochs": 1.0, "arm_steps": 2, "continue_steps": 16,
+                      "batch_size": 8,
                       "lora_r": 16, "lora_alpha": 32, "sft_lr": 1e-3, "lr": 2e-4, "arm_budget_cpu_s": 240,
                       "probe_tasks": 24, "dev_fraction": 0.15, "dev_min_items": 8,
                       # ~2k tokens per micro-batch keeps SmolLM2 training under ~8 GB RSS on CPU (8k: OOM at 24 GB).
@@ -107,7 +111,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "rollout": {"group_size": 2, "max_new_tokens": 12, "max_tasks": 4, "dynamic_sampling": "drop"},
             # the whole learning stage at toy size; grpo_min_signal_groups 1 so the GRPO arm trains when a
             # random model happens to give any group signal (it usually gives none: skipped, with the count).
-            "train": {"mode": "arms", "first_pass_epochs": 1.0, "arm_steps": 1, "batch_size": 4, "lora_r": 4,
+            "train": {"mode": "arms", "first_pass_epochs": 1.0, "arm_steps": 1, "continue_steps": 1, "batch_size": 4, "lora_r": 4,
                       "micro_batch_tokens": 4096, "prompt_grad": "answer_only", "probe_tasks": 4,
                       "dev_fraction": 0.2, "dev_min_items": 2, "grpo_min_signal_groups": 1},
             "gate": {"max_new_tokens": 12, "bootstrap_samples": 200, "min_improvement": 0.0},
@@ -125,7 +129,8 @@ PROFILES: dict[str, dict[str, Any]] = {
             "synth": {"per_seed": 8, "generators": ["mutate", "schema_values", "masked_names", "distractor",
                                                     "parallel", "irrelevance"]},
             "rollout": {"group_size": 8, "max_new_tokens": 96, "max_tasks": 256, "dynamic_sampling": "drop"},
-            "train": {"mode": "arms", "loss": "dapo", "first_pass_epochs": 2.0, "arm_steps": 32, "batch_size": 32,
+            "train": {"mode": "arms", "loss": "dapo", "first_pass_epochs": 2.0, "arm_steps": 8, "continue_steps": 64,
+                      "batch_size": 32,
                       "lora_r": 0, "sft_lr": 1e-4, "lr": 1e-6, "micro_batch_tokens": 32768, "probe_tasks": 128,
                       "dev_fraction": 0.15, "dev_min_items": 30},
             "gate": {"max_new_tokens": 96, "bootstrap_samples": 5000, "min_improvement": 0.0},
@@ -367,8 +372,10 @@ def _trained_how(cycle: dict[str, Any], version: int, name: str) -> str:
         arm = next((a for a in learn.get("arms") or [] if a.get("name") == learn.get("chosen")), {})
         dev = f", dev {arm.get('dev_passed')}/{arm.get('dev_items')}" if arm.get("dev_items") else ""
         fold = " + dev fold-in" if learn.get("fold_in") else ""
+        more = (learn.get("continuation") or {}).get("steps")
+        cont = f" + {more} more" if more else ""
         return (f"SFT pass ({fp.get('steps')} steps, {fp.get('demonstrations')} corrections) + "
-                f"{learn.get('chosen')} arm ({arm.get('steps')} steps{dev}){fold}")
+                f"{learn.get('chosen')} arm ({arm.get('steps')} steps{cont}{dev}){fold}")
     parts = []
     sft, grpo = st.get("sft") or {}, st.get("grpo") or {}
     if sft.get("model_version") is not None and sft["model_version"] <= version:

@@ -23,6 +23,12 @@ evidence that is not the held-out suite.
                                ``grpo_min_signal_groups`` groups carry signal (else skipped, with the count)
     choice         every arm is decoded greedily on the dev split; the best arm wins only if it passes
                    strictly more dev items than the control, otherwise the control ships
+    continuation   the chosen arm trains ``continue_steps`` more steps from its trial checkpoint on its own
+                   data and objective, so the arms are short trials and the budget goes into the model that
+                   ships. The control's trial resumes the first pass's data stream and its continuation
+                   resumes the trial's: when the control wins, the shipped model is plain SFT on the real
+                   corrections for first pass + trial + continuation steps, one data stream (what a user
+                   who only fine-tunes would train), plus the fold-in
     fold-in        the dev items' corrections are trained into the chosen model (``dev_fold_in``), so
                    no correction is lost to the dev split; the gate then tests one model against the
                    champion, and its error rate is unchanged
@@ -95,6 +101,7 @@ class LearnResult:
     first_pass: dict[str, Any]
     dev: dict[str, Any]
     probe: dict[str, Any] | None = None
+    continuation: dict[str, Any] | None = None
     fold_in: dict[str, Any] | None = None
     mode: str = "arms"
     metrics: dict[str, float] = field(default_factory=dict)
@@ -103,7 +110,8 @@ class LearnResult:
 
     @property
     def steps(self) -> int:
-        return int(self.first_pass.get("steps", 0)) + sum(a.steps for a in self.arms) + int((self.fold_in or {}).get("steps", 0))
+        return (int(self.first_pass.get("steps", 0)) + sum(a.steps for a in self.arms)
+                + int((self.continuation or {}).get("steps", 0)) + int((self.fold_in or {}).get("steps", 0)))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -303,7 +311,7 @@ def run_learning(
     for name in arms_wanted:
         say("learn", {"status": "running", "phase": f"arm {name}"})
         arm = _train_arm(name, cfg, store, artifacts, tracker, ckpt, train_real, regression, env, dev, say,
-                         roll=roll, correlation_id=correlation_id)
+                         roll=roll, correlation_id=correlation_id, start_step=first.steps if name == "control" else 0)
         results.append(arm)
 
     # 5. dev scores and the choice
@@ -320,6 +328,22 @@ def run_learning(
     winner = next(a for a in results if a.name == chosen)
     final_version, final_entity = winner.model_version, winner.model_entity
 
+    # 5b. the chosen arm continues from its trial checkpoint: the budget goes into the model that ships
+    cont: dict[str, Any] | None = None
+    if t.continue_steps > 0 and final_entity:
+        say("learn", {"status": "running", "phase": f"continue {chosen}", "steps": t.continue_steps})
+        resume = winner.steps + (first.steps if chosen == "control" else 0)
+        more = _train_arm(chosen, cfg, store, artifacts, tracker, final_entity, train_real, regression, env, dev, say,
+                          roll=roll, correlation_id=correlation_id, steps=t.continue_steps, start_step=resume,
+                          budget_cpu_s=None, phase="continue")
+        if more.model_entity is not None:
+            cont = {"arm": chosen, "from": final_entity, "model_entity": more.model_entity, "run_id": more.run_id,
+                    "mlflow_run_id": more.mlflow_run_id, "steps": more.steps, "start_step": resume,
+                    "tokens": more.tokens, "cpu_s": more.cpu_s, "wall_s": more.wall_s, "detail": more.detail}
+            final_version, final_entity = more.model_version, more.model_entity
+        else:
+            cont = {"arm": chosen, "skipped": more.skipped}
+
     # 6. fold the dev items' corrections into the shipped model
     fold: dict[str, Any] | None = None
     dev_demos = _demos(dev_tasks)
@@ -333,7 +357,7 @@ def run_learning(
         say("learn", {"status": "running", "phase": "fold-in", "demonstrations": len(dev_demos), "steps": steps})
         fr = train_sft(cfg, store, artifacts, tracker, dev_demos, base=final_entity, steps=steps)
         wall, cpu = clock.done()
-        fold = {"model_entity": fr.model_entity, "run_id": fr.run_id, "steps": fr.steps, "demonstrations": len(dev_demos),
+        fold = {"base": final_entity, "model_entity": fr.model_entity, "run_id": fr.run_id, "steps": fr.steps, "demonstrations": len(dev_demos),
                 "dev": len(dev_tasks), "replayed": len(replay),
                 "tokens": _tokens(fr), "cpu_s": cpu, "wall_s": wall}
         final_version, final_entity = fr.model_version, fr.model_entity
@@ -341,7 +365,8 @@ def run_learning(
     tracker.set_alias(cfg.cycle.model_name, "challenger", final_version)
 
     result = LearnResult(learn_id=learn_id, model_version=final_version, model_entity=final_entity, chosen=chosen,
-                         why=why, arms=results, first_pass=first_info, dev=dev_info, probe=probe_info, fold_in=fold)
+                         why=why, arms=results, first_pass=first_info, dev=dev_info, probe=probe_info,
+                         continuation=cont, fold_in=fold)
     result.wall_s, result.cpu_s = whole.done()
     _record(cfg, store, tracker, result, correlation_id=correlation_id)
     say("learn", {"status": "done", "chosen": chosen, "model": final_entity})
@@ -374,25 +399,33 @@ def _probe_and_synthesize(cfg: FlywheelConfig, tracker: Tracker, version: int, t
     return info
 
 
+_TRIAL_BUDGET = object()  # _train_arm's default budget: train.arm_budget_cpu_s
+
+
 def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker,
                ckpt: str, train_real: list[dict], regression: list[dict], env: Any, dev: set[str], say: Progress,
-               *, roll: Any = None, correlation_id: str | None) -> ArmResult:
+               *, roll: Any = None, correlation_id: str | None, steps: int | None = None, start_step: int = 0,
+               budget_cpu_s: Any = _TRIAL_BUDGET, phase: str = "arm") -> ArmResult:
+    """Train arm ``name`` from ``ckpt`` for ``steps`` (default ``train.arm_steps``: its trial) within
+    ``budget_cpu_s`` (default ``train.arm_budget_cpu_s``). ``start_step``: batches of the same data stream
+    already trained (the first pass's for the control's trial, the trial's for a continuation)."""
     from flywheel.train.stage import train_sft
 
     t = cfg.train
     arm = ArmResult(name)
     clock = _Clock()
-    budget = t.arm_budget_cpu_s
+    budget = t.arm_budget_cpu_s if budget_cpu_s is _TRIAL_BUDGET else budget_cpu_s
+    n_steps = t.arm_steps if steps is None else steps
 
     def on_step(s: int, m: dict) -> None:
-        say("learn", {"phase": f"arm {name}", "step": s, "total": t.arm_steps, "loss": m.get("loss")})
+        say("learn", {"phase": f"{phase} {name}", "step": s, "total": n_steps, "loss": m.get("loss")})
 
     res = None
     if name == "control":
         demos = _demos(train_real, _without(regression, dev))
-        res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=t.arm_steps, on_step=on_step,
-                        budget_cpu_s=budget)
-        arm.detail["demonstrations"] = len(demos)
+        res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
+                        budget_cpu_s=budget, start_step=start_step)
+        arm.detail.update(demonstrations=len(demos), start_step=start_step)
     elif name == "targeted":
         _, synth = split_sources(env.tasks)
         synth = _without(synth, dev)
@@ -400,9 +433,9 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
             arm.skipped = "no synthetic task was accepted for the targeted arm"
         else:
             demos = _demos(train_real, _without(regression, dev)) + _demos(synth)
-            res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=t.arm_steps, on_step=on_step,
-                            budget_cpu_s=budget)
-            arm.detail.update(demonstrations=len(demos), synthetic=len(synth))
+            res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
+                            budget_cpu_s=budget, start_step=start_step)
+            arm.detail.update(demonstrations=len(demos), synthetic=len(synth), start_step=start_step)
     elif name == "rpo":
         from flywheel.train.preference import pairs_from_samples, pairs_from_tasks, publish_pairs, train_rpo
 
@@ -415,7 +448,8 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         # Only the pairs the arm's steps will see: train_rpo scores every pair it is given under the starting
         # weights first, and ~100 pairs of ~350-token prompts cost that pass minutes on 2 CPU cores when 3
         # steps use 12 of them. Production pairs (what the policy really got wrong) come first.
-        use = t.arm_steps * max(1, t.batch_size // 2)
+        # A continuation takes the trial's pairs and the next ones in the same order.
+        use = (start_step + n_steps) * max(1, t.batch_size // 2)
         if len(pairs) > use:
             order = sorted(range(len(pairs)), key=lambda i: (pairs[i].source != "production",
                                                              digest(f"rpo|{t.seed}|{pairs[i].task_id}|{i}")))
@@ -428,12 +462,12 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
                            f"correction ({dict(why_not)})")
         else:
             pid = publish_pairs(cfg, store, artifacts, pairs, correlation_id=correlation_id)
-            res = train_rpo(cfg, store, artifacts, tracker, pairs, base=ckpt, steps=t.arm_steps, lr=t.rpo_lr or t.sft_lr,
+            res = train_rpo(cfg, store, artifacts, tracker, pairs, base=ckpt, steps=n_steps, lr=t.rpo_lr or t.sft_lr,
                             beta=t.rpo_beta, alpha=t.rpo_alpha, on_step=on_step, preferences_id=pid,
-                            budget_cpu_s=budget)
+                            budget_cpu_s=budget, start_step=start_step)
             arm.detail.update(pairs=len(pairs), preferences=pid)
     elif name == "grpo":
-        res = _grpo_arm(cfg, store, artifacts, tracker, ckpt, dev, arm, on_step, roll)
+        res = _grpo_arm(cfg, store, artifacts, tracker, ckpt, dev, arm, on_step, roll, steps=n_steps, budget_cpu_s=budget)
     else:  # pragma: no cover - config validation admits only ARMS
         raise ValueError(f"unknown arm {name!r}")
     arm.wall_s, arm.cpu_s = clock.done()
@@ -467,7 +501,8 @@ def _sampled_pairs(store: EventStore, artifacts: ArtifactStore, roll: Any, train
 
 
 def _grpo_arm(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker, ckpt: str,
-              dev: set[str], arm: ArmResult, on_step: Callable[[int, dict], None], roll: Any) -> Any:
+              dev: set[str], arm: ArmResult, on_step: Callable[[int, dict], None], roll: Any, *, steps: int,
+              budget_cpu_s: float | None) -> Any:
     """GRPO on the first-pass model's rollouts, only when enough groups carry signal."""
     from flywheel.train.stage import train_grpo
 
@@ -487,21 +522,22 @@ def _grpo_arm(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, 
         arm.skipped = (f"{signal} of {groups} rollout groups carry signal (< train.grpo_min_signal_groups = "
                        f"{t.grpo_min_signal_groups}): GRPO would spend its budget on a no-op")
         return None
-    return train_grpo(cfg, store, artifacts, tracker, [roll.rollout_id], base=ckpt, steps=t.arm_steps,
-                      on_step=on_step, exclude_tasks=dev, budget_cpu_s=t.arm_budget_cpu_s, drop_zero_variance=True)
+    return train_grpo(cfg, store, artifacts, tracker, [roll.rollout_id], base=ckpt, steps=steps,
+                      on_step=on_step, exclude_tasks=dev, budget_cpu_s=budget_cpu_s, drop_zero_variance=True)
 
 
 def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnResult, *, correlation_id: str | None) -> None:
     """``learning.decided`` on ``learn:<id>`` and an MLflow run ``learn`` with every arm's figures."""
     arms = [asdict(a) for a in r.arms]
     entities = [x for a in r.arms for x in (a.run_id, a.model_entity) if x]
-    causation = list(dict.fromkeys([r.first_pass["run_id"], r.first_pass["model_entity"], *entities,
-                                    *([r.fold_in["run_id"], r.fold_in["model_entity"]] if r.fold_in else [])]))
+    later = [x for phase in (r.continuation, r.fold_in) if phase for x in (phase.get("run_id"), phase.get("model_entity")) if x]
+    causation = list(dict.fromkeys([r.first_pass["run_id"], r.first_pass["model_entity"], *entities, *later]))
     with tracker.run("learn", consumes=causation, produces=[r.learn_id],
                      tags={"flywheel.learn": r.learn_id, "flywheel.chosen": r.chosen,
                            "flywheel.model": r.model_entity}) as run:
         run.log_params({"chosen": r.chosen, "arms": ",".join(a.name for a in r.arms), "dev_items": r.dev.get("items", 0),
-                        "first_pass_steps": r.first_pass.get("steps"), "arm_steps": cfg.train.arm_steps})
+                        "first_pass_steps": r.first_pass.get("steps"), "arm_steps": cfg.train.arm_steps,
+                        "continue_steps": cfg.train.continue_steps})
         metrics: dict[str, float] = {"first_pass.cpu_s": float(r.first_pass["cpu_s"]),
                                      "first_pass.tokens": float(r.first_pass["tokens"])}
         for a in r.arms:
@@ -509,11 +545,14 @@ def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnRe
             metrics[f"{a.name}.tokens"] = float(a.tokens)
             if a.dev_passed is not None:
                 metrics[f"{a.name}.dev_passed"] = float(a.dev_passed)
+        if r.continuation and r.continuation.get("cpu_s") is not None:
+            metrics["continuation.cpu_s"] = float(r.continuation["cpu_s"])
+            metrics["continuation.tokens"] = float(r.continuation.get("tokens") or 0)
         run.log_metrics(metrics, step=0)
         r.metrics = metrics
     name, version = parse_model_entity(r.model_entity)
     store.append(r.learn_id, NewEvent("learning.decided", {
         "entity_id": r.learn_id, "model": r.model_entity, "model_name": name, "model_version": version,
         "chosen": r.chosen, "why": r.why, "arms": arms, "first_pass": r.first_pass, "dev": r.dev, "probe": r.probe,
-        "fold_in": r.fold_in, "cpu_s": r.cpu_s, "wall_s": r.wall_s,
+        "continuation": r.continuation, "fold_in": r.fold_in, "cpu_s": r.cpu_s, "wall_s": r.wall_s,
     }, causation), correlation_id=correlation_id)

@@ -250,6 +250,11 @@ def learning_table(learn: dict[str, Any]) -> str:
         mark = '<span class="pass">shipped</span>' if a.get("name") == learn.get("chosen") else esc(a.get("skipped") or "")
         rows.append(f'<tr><td>{esc(a.get("name"))}</td><td>{esc(a.get("steps"))}</td><td>{esc(a.get("tokens"))}</td>'
                     f'<td>{esc(a.get("cpu_s"))}</td><td>{esc(dev)}</td><td>{mark}</td></tr>')
+    cont = learn.get("continuation") or {}
+    if cont.get("steps"):
+        rows.append(f'<tr><td>continuation ({esc(cont.get("arm"))})</td><td>{esc(cont.get("steps"))}</td>'
+                    f'<td>{esc(cont.get("tokens"))}</td><td>{esc(cont.get("cpu_s"))}</td><td>--</td>'
+                    f'<td>from its trial, resuming at step {esc(cont.get("start_step"))}</td></tr>')
     return (f'<p>Learning stage: <b>{esc(learn.get("chosen"))}</b> shipped ({esc(learn.get("why"))}).</p>'
             '<table id="arms"><tr><th>phase / arm</th><th>steps</th><th>tokens</th><th>CPU-s</th><th>dev passed</th>'
             f'<th></th></tr>{"".join(rows)}</table>')
@@ -312,6 +317,8 @@ def build_report(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, *, cy
     if learn:
         runs += [{**(learn.get("first_pass") or {}), "mode": "first pass"}]
         runs += [{**a, "mode": f"arm {a.get('name')}"} for a in learn.get("arms") or [] if a.get("mlflow_run_id")]
+        if (learn.get("continuation") or {}).get("mlflow_run_id"):
+            runs += [{**learn["continuation"], "mode": f"continuation {learn['continuation'].get('arm')}"}]
 
     days, kinds = failure_kinds_over_time(store)
     curves = training_curves(tracker, runs)

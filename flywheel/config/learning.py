@@ -158,7 +158,17 @@ class TrainConfig(_Section):
         1.0, gt=0.0, le=16.0, description="mode = arms: full passes over the real corrections and replay before any "
         "arm or synthetic example (steps = ceil(epochs * demonstrations / batch_size)).",
     )
-    arm_steps: int = Field(4, ge=1, description="mode = arms: optimizer steps of batch_size sequences per arm.")
+    arm_steps: int = Field(
+        4, ge=1, description="mode = arms: optimizer steps of batch_size sequences per arm (its trial, from the "
+        "first-pass checkpoint, before the choice).",
+    )
+    continue_steps: int = Field(
+        0, ge=0, description="mode = arms: after the choice, the chosen arm trains this many more steps from its "
+        "trial checkpoint, on its own data and objective (SFT arms resume their data stream where the trial "
+        "stopped). Short trials and a long continuation put the budget into the model that ships: when the "
+        "control wins, the shipped model is plain SFT on the real corrections for first pass + trial + continuation "
+        "steps, one uninterrupted data stream. 0: no continuation.",
+    )
     arm_budget_cpu_s: float | None = Field(
         None, gt=0.0, description="mode = arms: also stop an arm once its process CPU-seconds reach this (None: steps only).",
     )

@@ -473,6 +473,7 @@ def train_rpo(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     preferences_id: str | None = None,
     budget_cpu_s: float | None = None,
+    start_step: int = 0,
 ) -> TrainResult:
     """RPO on preference pairs (``alpha = 0``: DPO); registers the result as ``challenger`` like SFT.
 
@@ -482,7 +483,7 @@ def train_rpo(
     every other knob is ``cfg.train`` (LoRA, micro-batch tokens, clipping, schedule). ``base`` is a
     model spec or ``model:<name>/<N>`` (:func:`flywheel.train.stage.load_policy`). ``budget_cpu_s``:
     stop once the run has used this many process CPU-seconds (the reference pass counts: it is part
-    of what RPO costs).
+    of what RPO costs). ``start_step``: skip the first batches of the same pair stream (a continued run).
 
     Before the first update the starting weights' sequence log-probs of every pair are computed once
     (the DPO reference). The run (mode ``rpo``) is caused by the pairs' source entities, the published
@@ -519,7 +520,7 @@ def train_rpo(
         # stage._train_and_register drives `trainer.step(batch)`: on this trainer a step is a
         # preference step (an instance attribute; the class's step is untouched).
         trainer.step = functools.partial(trainer.preference_step, beta=beta, alpha=alpha)
-        yield from batches(samples, n_batch, n_steps, seed=cfg.train.seed)  # type: ignore[arg-type]
+        yield from batches(samples, n_batch, n_steps, seed=cfg.train.seed, skip=start_step)  # type: ignore[arg-type]
 
     by_source = dict(sorted(Counter(p.source for p in pairs).items()))
     return stage._train_and_register(

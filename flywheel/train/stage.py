@@ -385,9 +385,12 @@ def train_sft(
     lr: float | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     budget_cpu_s: float | None = None,
+    start_step: int = 0,
 ) -> TrainResult:
     """Supervised warm start on demonstrations (answer tokens only); registers the result as ``challenger``.
     ``budget_cpu_s``: stop once the run has used this many process CPU-seconds (the learning stage's arms).
+    ``start_step``: resume the data stream of an earlier run on the same demonstrations after its first
+    ``start_step`` batches (same seed), so continued training sees new batches, not the first ones again.
 
     Refuses held-out demonstrations (:class:`flywheel.train.demos.HeldOutDemonstrationError`) before
     loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
@@ -408,13 +411,13 @@ def train_sft(
     sources = list(dict.fromkeys(d.source_entity_id for d in demonstrations))
 
     def step_batches(trainer: Any):
-        yield from batches(samples, cfg.train.batch_size, n_steps, seed=cfg.train.seed)
+        yield from batches(samples, cfg.train.batch_size, n_steps, seed=cfg.train.seed, skip=start_step)
 
     return _train_and_register(
         cfg, store, tracker, mode="sft", base=base, consumes=sources, model=model, tokenizer=tok,
         base_spec=base_spec, options=opts, steps=n_steps, step_batches=step_batches, on_step=on_step,
-        extra_params={"demonstrations": len(demonstrations), "batch_size": cfg.train.batch_size},
-        run_payload={"demonstrations": len(demonstrations), "sources": len(sources)},
+        extra_params={"demonstrations": len(demonstrations), "batch_size": cfg.train.batch_size, "start_step": start_step},
+        run_payload={"demonstrations": len(demonstrations), "sources": len(sources), "start_step": start_step},
         datasets=[demonstrations_dataset(demonstrations, sources)], budget_cpu_s=budget_cpu_s,
     )
 

@@ -716,12 +716,21 @@ class Trainer:
         return out
 
 
-def batches(samples: Sequence[TrainSample], batch_size: int, steps: int, *, seed: int = 0) -> Iterator[list[TrainSample]]:
+def batches(samples: Sequence[TrainSample], batch_size: int, steps: int, *, seed: int = 0,
+            skip: int = 0) -> Iterator[list[TrainSample]]:
     """``steps`` batches of ``batch_size`` samples: shuffled passes over the data, whole groups kept.
 
     Groups (same ``group_id``) stay together so each step sees complete GRPO groups; a pass is
-    reshuffled with a seeded generator, so runs are reproducible.
+    reshuffled with a seeded generator, so runs are reproducible. ``skip``: the first ``skip`` batches
+    of the same stream are drawn and dropped, so a run that resumes another one on the same data goes
+    on where it stopped instead of repeating its first batches.
     """
+    if skip > 0:
+        stream = batches(samples, batch_size, skip + steps, seed=seed)
+        for i, b in enumerate(stream):
+            if i >= skip:
+                yield b
+        return
     by_group: dict[str, list[TrainSample]] = {}
     for s in samples:
         by_group.setdefault(s.group_id, []).append(s)

@@ -66,6 +66,14 @@ def test_each_cycle_runs_every_stage_and_says_why_the_champion_stays(demo_run):
         for a in arms.values():  # every arm trained within its budget or says why it did not
             assert (a["skipped"] is None) == (a["model_version"] is not None)
             assert a["skipped"] is not None or (a["steps"] == 1 and a["dev_items"] == learn["dev"]["items"])
+        # the chosen arm continued from its trial (smoke: continue_steps 1); the control resumes the first
+        # pass's data stream, so its continuation starts after first pass + trial
+        cont = learn["continuation"]
+        assert cont["arm"] == learn["chosen"] and cont["from"] == arms[learn["chosen"]]["model_entity"]
+        assert cont["steps"] == 1 and cont["start_step"] == arms[learn["chosen"]]["steps"] + (
+            learn["first_pass"]["steps"] if learn["chosen"] == "control" else 0)
+        assert arms["control"]["detail"]["start_step"] == learn["first_pass"]["steps"]
+        assert learn["fold_in"]["base"] == cont["model_entity"]
         assert learn["model_version"] == st["gate"]["challenger_version"]
         gate = st["gate"]
         assert gate["outcome"] == "insufficient_evidence" and gate["passed"] is False

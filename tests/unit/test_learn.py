@@ -76,3 +76,25 @@ def test_config_refuses_arms_without_the_control():
     with pytest.raises((ValueError, ConfigError), match="control"):
         FlywheelConfig.model_validate({"train": {"arms": ["rpo", "targeted"]}})
     assert FlywheelConfig.model_validate({"train": {"mode": "arms", "arms": ["control", "rpo"]}}).train.arms == ["control", "rpo"]
+
+
+def test_the_controls_trial_and_continuation_resume_one_plain_sft_data_stream():
+    """Issue 30: the control path (first pass, trial, continuation) trains exactly the batches one plain SFT
+    run of the same length would: before `skip`, the control's trial re-trained the first pass's first
+    batches, so the shipped control saw a quarter of the corrections twice and the rest of the epoch never."""
+    from types import SimpleNamespace
+
+    from flywheel.train.trainer import batches
+
+    samples = [SimpleNamespace(group_id=f"demo:{i}") for i in range(21)]  # 21 / 4 leaves a short last batch
+
+    def ids(stream):
+        return [[s.group_id for s in b] for b in stream]
+
+    plain = ids(batches(samples, 4, 6 + 2 + 9, seed=3))
+    first = ids(batches(samples, 4, 6, seed=3))
+    trial = ids(batches(samples, 4, 2, seed=3, skip=6))
+    cont = ids(batches(samples, 4, 9, seed=3, skip=8))
+    assert first + trial + cont == plain and len(plain) == 17
+    assert trial != first[:2]  # the trial goes on into the next pass instead of repeating the first batches
+    assert ids(batches(samples, 4, 3, seed=3, skip=0)) == plain[:3]
