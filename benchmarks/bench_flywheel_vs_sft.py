@@ -157,6 +157,7 @@ def main() -> int:
     ap.add_argument("--cycle-home", help="reuse (a): a home where wave 1 and cycle 1 already ran (its last "
                     "cycle.completed event gives the stages); 1x and --seed must match that run")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", help="also write the whole result, per-item verdicts included, to this JSON file")
     args = ap.parse_args()
     if args.seed is not None:
         args.seeds = [args.seed]
@@ -278,6 +279,10 @@ def main() -> int:
     for factor in args.budgets:
         rs = [r for r in runs if r["budget"] == factor]
         out["pooled"][f"x{factor:g}"] = {label: pooled(rs, label) for label in ("heldout", "unseen")}
+    if args.out:
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=2, default=str))
+        tmp.replace(args.out)
     if args.json:
         for r in runs:
             for v in r["results"].values():
