@@ -208,6 +208,11 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     lora_r: int = Field(16, ge=0, description="LoRA rank; 0 = full fine-tuning.")
     lora_alpha: int = Field(32, ge=1, description="LoRA scaling numerator (the update is scaled by alpha / r).")
+    lora_layers: int | None = Field(
+        None, description="LoRA on the top N transformer blocks only (None: every block). Below the lowest adapted "
+        "block nothing needs a gradient, so the backward stops there (a measured option, benchmarks/"
+        "bench_lora_layers.py; it changes what the adapter can learn). N >= the model's blocks = every block.",
+    )
     micro_batch_tokens: int = Field(
         4096, ge=1, description="Token budget of one micro-batch (a longer sequence is a micro-batch of its own)."
     )
@@ -250,6 +255,14 @@ class TrainConfig(_Section):
                              "so without it nothing guards against a learning stage worse than fine-tuning")
         if len(set(v)) != len(v):
             raise ValueError(f"train.arms lists an arm twice: {v}")
+        return v
+
+    @field_validator("lora_layers")
+    @classmethod
+    def _lora_layers(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"train.lora_layers must be at least 1 (the number of top transformer blocks that get "
+                             f"LoRA), or unset for every block; got {v}")
         return v
 
     @field_validator("betas")

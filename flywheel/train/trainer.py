@@ -209,21 +209,63 @@ def answer_only_logprobs(
     return mb.scatter(logp), (mb.scatter(ent) if ent is not None else None)
 
 
-def apply_lora(model: Any, *, r: int, alpha: int, dropout: float = 0.0, target_modules: str | list[str] = "all-linear") -> Any:
+def _transformer_blocks(model: Any) -> tuple[str, torch.nn.ModuleList]:
+    """``model``'s list of transformer blocks (``model.config.num_hidden_layers`` of them) and its attribute
+    name (``layers`` in Llama-family models), the ``layers_pattern`` peft matches block indices by."""
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError("train.lora_layers: the model's config names no num_hidden_layers")
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n and name:
+            return name.rsplit(".", 1)[-1], module
+    raise ValueError(f"train.lora_layers: no list of {n} transformer blocks found in {type(model).__name__}")
+
+
+def apply_lora(
+    model: Any, *, r: int, alpha: int, dropout: float = 0.0, target_modules: str | list[str] = "all-linear",
+    layers: int | None = None,
+) -> Any:
     """Wrap ``model`` in a trainable peft LoRA adapter (base weights frozen). ``r = 0``: unchanged.
 
     ``all-linear`` adapts every linear layer of the blocks except the output layer (peft's rule),
     the QLoRA recipe (Dettmers et al. 2023), which matches full fine-tuning better than q/v only.
+
+    ``layers`` (``train.lora_layers``): adapt only the top ``layers`` transformer blocks (None, or at
+    least ``model.config.num_hidden_layers``: every block, and the same adapter config as before the
+    option existed). Why: with the base weights frozen and gradient checkpointing off, autograd records
+    nothing below the lowest adapted block (neither weights nor inputs there need a gradient), so the
+    backward through the lower blocks is not computed at all. Nothing here, nor in peft's wrapping, makes
+    the input embeddings require grad (peft's ``enable_input_require_grads`` runs only when the model
+    already has gradient checkpointing on at wrap time; the trainer turns it on afterwards and uses
+    non-reentrant checkpointing, which needs no input grads). The partial adapter saves its own
+    ``layers_to_transform`` and ``layers_pattern``, so loading it (peft's ``from_pretrained``, the gate,
+    ``serve``, merging) rebuilds the same layers. peft refuses ``layers_to_transform`` with a string
+    ``target_modules``, so ``all-linear`` is expanded here to the names of the linear layers inside
+    the blocks. A model that is already a ``PeftModel`` keeps its adapter's own layers.
     """
     if r <= 0:
         return model
     from peft import LoraConfig, PeftModel, get_peft_model
 
+    if layers is not None and layers < 1:
+        raise ValueError(f"lora layers must be >= 1 (None: every block), got {layers}")
     if isinstance(model, PeftModel):
         for n, p in model.named_parameters():
             p.requires_grad_("lora_" in n)
         return model
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM")
+    extra: dict[str, Any] = {}
+    if layers is not None:
+        pattern, blocks = _transformer_blocks(model)
+        n_blocks = len(blocks)
+        if layers < n_blocks:
+            if target_modules == "all-linear":
+                from transformers.pytorch_utils import Conv1D
+
+                target_modules = sorted({name.rsplit(".", 1)[-1] for name, mod in blocks.named_modules()
+                                         if isinstance(mod, torch.nn.Linear | Conv1D)})
+            extra = {"layers_to_transform": list(range(n_blocks - layers, n_blocks)), "layers_pattern": pattern}
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM",
+                     **extra)
     return get_peft_model(model, cfg)
 
 
@@ -393,11 +435,16 @@ class Trainer:
         self.use_cuda = self.device.type == "cuda"
         # The base weights' dtype, before LoRA adds float32 adapters (decides CPU autocast).
         self.base_dtype = next(model.parameters()).dtype
-        model = apply_lora(model, r=t.lora_r, alpha=t.lora_alpha)
+        model = apply_lora(model, r=t.lora_r, alpha=t.lora_alpha, layers=t.lora_layers)
         self.is_lora = t.lora_r > 0
         if t.gradient_checkpointing:
-            # Non-reentrant checkpointing needs no input grads (LoRA freezes the embeddings).
+            # Non-reentrant checkpointing needs no input grads (LoRA freezes the embeddings). transformers'
+            # gradient_checkpointing_enable hooks the input embeddings to require grad anyway (for reentrant
+            # checkpointing); that hook would make autograd record every block, also those below a partial
+            # adapter (train.lora_layers) and block 0's input grads with every block adapted: removed.
             unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(unwrap(model), "disable_input_require_grads"):
+                unwrap(model).disable_input_require_grads()
             cfg = getattr(unwrap(model), "config", None)
             if cfg is not None:
                 cfg.use_cache = False
