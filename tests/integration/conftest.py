@@ -8,6 +8,9 @@
 - :func:`run_cycle_subprocess`: one tiny-model cycle in a fresh Python process, so Prefect reads its
   settings (``PREFECT_API_URL``, ``PREFECT_HOME``) fresh and the process can be SIGKILLed; progress
   arrives as JSON lines on stdout.
+- ``tiny_cycle``: one in-process tiny-model cycle per test session, read by tests/integration/test_cycle.py
+  and tests/integration/test_report.py (two equal cycles cost ~50-100 s on 2 busy cores). Everything
+  that writes to its home happens inside the fixture, in a fixed order, before any test reads it.
 """
 
 from __future__ import annotations
@@ -195,6 +198,43 @@ def bfcl_traffic(path: Path, n_simple: int = 16, n_multiple: int = 6) -> Path:
                          "model": "policy/base", "timestamp": f"2026-11-2{i % 9}T10:{i:02d}:00Z"})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_cycle(tmp_path_factory) -> dict[str, Any]:
+    """One tiny-model cycle (settings ``TINY``, traffic :func:`bfcl_traffic`) in one home, shared
+    read-only by the modules that only read what it left (test_cycle.py, test_report.py).
+
+    Nothing in the home may be copied to give a test a private one (``mlflow.db`` and the warehouse
+    hold absolute paths into it), so what writes to it runs here, before any test sees it, in this
+    order: the cycle; ``flywheel report`` for the last completed cycle (the one just run), as
+    test_report.py reads it; then a second cycle on the same traffic (test_cycle.py checks that it
+    ends early and records only its own two events). No test writes to this home."""
+    from flywheel.flows.cycle import run_cycle
+    from typer.testing import CliRunner
+
+    from flywheel.cli import app
+    from flywheel.config import load_config
+    from flywheel.store import open_store
+
+    root = tmp_path_factory.mktemp("tiny-cycle")
+    home = root / "home"
+    traffic = bfcl_traffic(root / "traffic.jsonl")
+    cfg = load_config(overrides={"home": str(home), **TINY}, environ={})
+    stages: list[str] = []
+    result = run_cycle(cfg, traces=[str(traffic)], overrides={**TINY}, on_progress=lambda s, i: stages.append(s))
+
+    r = CliRunner().invoke(app, ["report", "--home", str(home), "--json"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    report_info = json.loads(r.stdout)
+
+    with open_store(cfg) as store:
+        before = store.last_seq()
+    again = run_cycle(cfg, traces=[str(traffic)], overrides={**TINY})
+    with open_store(cfg) as store:
+        new = store.read(after_seq=before)
+    return {"root": root, "cfg": cfg, "result": result, "traffic": traffic, "stages": stages,
+            "report": report_info, "again": again, "events_after_first": new}
 
 
 # Runs in the child: applies the embedded Prefect environment before Prefect is imported (what

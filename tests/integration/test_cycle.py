@@ -10,19 +10,18 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cycle_run(tmp_path_factory, it):
-    """One tiny-model cycle on BFCL traffic answered in prose (settings and traffic from conftest)."""
-    from flywheel.flows.cycle import run_cycle
+def cycle_run(tiny_cycle):
+    """One tiny-model cycle on BFCL traffic answered in prose (settings and traffic from conftest;
+    the run is the session's ``tiny_cycle``, which test_report.py reads too)."""
+    c = tiny_cycle
+    return c["cfg"], c["result"], c["traffic"], c["stages"]
 
-    from flywheel.config import load_config
 
-    root = tmp_path_factory.mktemp("cycle")
-    home = root / "home"
-    traffic = it.bfcl_traffic(root / "traffic.jsonl")
-    cfg = load_config(overrides={"home": str(home), **it.TINY}, environ={})
-    stages = []
-    result = run_cycle(cfg, traces=[str(traffic)], overrides={**it.TINY}, on_progress=lambda s, i: stages.append(s))
-    return cfg, result, traffic, stages
+@pytest.fixture(scope="module")
+def second_cycle(tiny_cycle):
+    """The same traffic again in the same home (run by ``tiny_cycle`` after the first cycle, before
+    any test reads the home): its result and the events recorded after the first cycle."""
+    return tiny_cycle["again"], tiny_cycle["events_after_first"]
 
 
 def test_cycle_runs_every_stage_and_records_events(cycle_run):
@@ -77,17 +76,8 @@ def test_gate_decision_and_deployment_agree(cycle_run):
         assert champion != gate["challenger_version"]
 
 
-def test_second_cycle_without_new_failures_ends_early(cycle_run, it):
-    from flywheel.flows.cycle import run_cycle
-
-    from flywheel.store import open_store
-
-    cfg, _, traffic, _ = cycle_run
-    with open_store(cfg) as store:
-        before = store.last_seq()
-    again = run_cycle(cfg, traces=[str(traffic)], overrides={**it.TINY})
+def test_second_cycle_without_new_failures_ends_early(second_cycle):
+    again, new = second_cycle
     assert again["outcome"] == "nothing_new" and "no new failures" in again["reason"]
-    with open_store(cfg) as store:
-        new = store.read(after_seq=before)
     # Re-ingesting the same file appends nothing; only the new cycle's own pair is recorded.
     assert sorted(e.type for e in new) == ["cycle.completed", "cycle.started"]

@@ -6,7 +6,6 @@ with a deliberate error proves the console check can fail)."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import subprocess
@@ -66,22 +65,10 @@ class Sections(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, it):
-    from flywheel.flows.cycle import run_cycle
-    from typer.testing import CliRunner
-
-    from flywheel.cli import app
-    from flywheel.config import load_config
-
-    root = tmp_path_factory.mktemp("report")
-    home = root / "home"
-    traffic = it.bfcl_traffic(root / "traffic.jsonl")
-    cfg = load_config(overrides={"home": str(home), **it.TINY}, environ={})
-    result = run_cycle(cfg, traces=[str(traffic)], overrides={**it.TINY})
-    r = CliRunner().invoke(app, ["report", "--home", str(home), "--json"])
-    assert r.exit_code == 0, (r.output, r.exception)
-    info = json.loads(r.stdout)
-    return result, info, root
+def report(tiny_cycle):
+    """A tiny-model cycle, then ``flywheel report --json`` for the last completed cycle (both run
+    once per session by ``tiny_cycle``, whose cycle test_cycle.py reads too)."""
+    return tiny_cycle["result"], tiny_cycle["report"], tiny_cycle["root"]
 
 
 def test_report_names_the_cycle_and_its_model(report):
