@@ -28,6 +28,8 @@ draws in which the flywheel is not ahead.
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py                       # 1 seed, 1x, ~45 min on 2 cores
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --seeds 0 1 2 3 4 --budgets 1 2 4   # hours
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --quick               # smaller wave and unseen set
+    # (c) too: SFT on the corrections plus the cycle's accepted synthetic tasks, same CPU-seconds
+    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --synth-peer
     # (a) already run: a home where the demo's wave 1 and cycle 1 ran (same seed), 1x only
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --cycle-home .flywheel --seed 0
 
@@ -42,6 +44,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,43 @@ def unseen_suite(offsets: dict[str, int], counts: dict[str, int]) -> Any:
             tasks.append(task)
     vh = suite_version_hash("bfcl-unseen", tasks)
     return Suite("suite:bfcl-unseen@1", "bfcl-unseen", 1, vh, sorted(tasks, key=lambda t: t["task_id"]))
+
+
+def _chars(d: Any) -> int:
+    """A demonstration's size in characters (prompt, tools and answer): the step-cost proxy for sizing (c)."""
+    return len(json.dumps([d.messages, d.tools, d.answer_content, [str(c) for c in d.answer_calls or []]], default=str))
+
+
+def synth_peer(cfg: Any, store: Any, artifacts: Any, tracker: Any, demos: list, budget_cpu: float, sft_steps: int,
+               log: Any, tag: str) -> tuple[Any, dict[str, Any] | None]:
+    """(c): SFT of the base model on the corrections plus every synthetic task the cycle accepted (the
+    training environment's ``synth_batch`` tasks; never a held-out or dev-derived one is lost, since
+    the flywheel folds its dev items in too), for the same CPU-seconds. Synthetic prompts are longer
+    (distractor tools, parallel shapes), so its steps are (b)'s scaled by the mean demonstration size
+    and the CPU-second budget caps it; the cosine schedule is sized to those steps."""
+    from flywheel.learn import split_sources
+    from flywheel.train.demos import demonstrations_from_tasks
+    from flywheel.train.stage import train_sft
+    from flywheel.versioning import load_env
+
+    env = load_env(store, artifacts, cfg.cycle.train_env)
+    _, synth = split_sources(env.tasks)
+    sdemos = demonstrations_from_tasks(synth)
+    if not sdemos:
+        log(f"{tag}: (c) skipped: the cycle accepted no synthetic task")
+        return None, None
+    mixed = list(demos) + sdemos
+    scale = (sum(map(_chars, demos)) / len(demos)) / (sum(map(_chars, mixed)) / len(mixed))
+    steps = max(1, int(sft_steps * scale))
+    log(f"{tag}: (c) SFT + synthesis, {steps} steps on {len(demos)} corrections + {len(sdemos)} synthetic "
+        f"within {budget_cpu:.0f} CPU-s …")
+    c0, t0 = time.process_time(), time.perf_counter()
+    res = train_sft(cfg, store, artifacts, tracker, mixed, base=cfg.policy.base_model, steps=steps, budget_cpu_s=budget_cpu)
+    info = {"model": f"model:{cfg.cycle.model_name}/{res.model_version}", "steps": res.steps, "planned_steps": steps,
+            "cpu_s": round(time.process_time() - c0, 1), "wall_s": round(time.perf_counter() - t0, 1),
+            "demonstrations": len(mixed), "synthetic": len(sdemos),
+            "by_generator": dict(Counter(str((t.get("metadata") or {}).get("generator")) for t in synth))}
+    return res, info
 
 
 def score(cfg: Any, store: Any, artifacts: Any, tracker: Any, version: int, suite: Any) -> dict[str, bool]:
@@ -158,6 +198,9 @@ def main() -> int:
                     "cycle.completed event gives the stages); 1x and --seed must match that run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the whole result, per-item verdicts included, to this JSON file")
+    ap.add_argument("--synth-peer", action="store_true",
+                    help="(c) also: SFT of the base model on the same corrections plus every synthetic task the "
+                    "flywheel's cycle accepted, for the same CPU-seconds: does the flywheel's synthesis help at all?")
     args = ap.parse_args()
     if args.seed is not None:
         args.seeds = [args.seed]
@@ -256,13 +299,21 @@ def main() -> int:
                                 budget_cpu_s=budget_cpu)
                 sft_cpu, sft_wall = time.process_time() - c0, time.perf_counter() - t0
                 log(f"seed {seed} x{factor:g}: scoring both on the held-out suite and {len(unseen.tasks)} unseen questions …")
+                mix = mix_info = None
+                if args.synth_peer:
+                    mix, mix_info = synth_peer(cfg, store, artifacts, tracker, demos, budget_cpu, sft_steps, log,
+                                               f"seed {seed} x{factor:g}")
                 heldout = load_suite(store, artifacts, cfg.cycle.heldout_suite)
-                res = {}
+                res, mix_res = {}, {}
                 for label, suite in (("heldout", heldout), ("unseen", unseen)):
                     a = score(cfg, store, artifacts, tracker, flywheel_version, suite)
                     b = score(cfg, store, artifacts, tracker, sft.model_version, suite)
                     res[label] = {"suite": suite.entity_id, **compare(a, b),
                                   "per_item": {i: (a[i], b[i]) for i in sorted(set(a) & set(b))}}
+                    if mix is not None:
+                        c = score(cfg, store, artifacts, tracker, mix.model_version, suite)
+                        mix_res[label] = {"vs_sft": compare(c, b), "vs_flywheel": compare(c, a),
+                                          "per_item": {i: (a[i], b[i], c[i]) for i in sorted(set(a) & set(b) & set(c))}}
             runs.append({
                 "seed": seed, "budget": factor, "home": str(home),
                 "flywheel": {"model": f"model:{cfg.cycle.model_name}/{flywheel_version}", "learn_cpu_s": budget_cpu,
@@ -274,6 +325,8 @@ def main() -> int:
                               "cpu_s": round(sft_cpu, 1), "wall_s": round(sft_wall, 1), "demonstrations": len(demos)},
                 "results": res,
             })
+            if mix_info is not None:
+                runs[-1]["synth_sft"] = {**mix_info, "results": mix_res}
     out = {"load_average": os.getloadavg(), "seeds": args.seeds, "budgets": args.budgets, "unseen": unseen_n,
            "runs": runs, "pooled": {}, "total_s": round(time.perf_counter() - t_start, 1), "workdir": str(work)}
     for factor in args.budgets:
@@ -285,7 +338,7 @@ def main() -> int:
         tmp.replace(args.out)
     if args.json:
         for r in runs:
-            for v in r["results"].values():
+            for v in [*r["results"].values(), *(r.get("synth_sft") or {}).get("results", {}).values()]:
                 v.pop("per_item", None)
         print(json.dumps(out, indent=2, default=str))
         return 0
@@ -303,6 +356,16 @@ def main() -> int:
                   f"{x['flywheel_rate']:.1%} [{fa[0]:.1%}, {fa[1]:.1%}]  vs  SFT {x['sft_passed']}/{x['items']} = "
                   f"{x['sft_rate']:.1%} [{fb[0]:.1%}, {fb[1]:.1%}]; discordant {x['flywheel_only']} / {x['sft_only']}, "
                   f"p(flywheel better) = {x['p_flywheel_better']:.3g}, p(SFT better) = {x['p_sft_better']:.3g}")
+        m = r.get("synth_sft")
+        if m:
+            print(f"    (c) SFT + the flywheel's synthesis {m['model']} ({m['steps']} steps, {m['cpu_s']:.0f} CPU-s, "
+                  f"{m['demonstrations']} demonstrations of which {m['synthetic']} synthetic)")
+            for label, x in m["results"].items():
+                for peer, key in (("plain SFT", "vs_sft"), ("the flywheel", "vs_flywheel")):
+                    v = x[key]
+                    print(f"      {label:8s}: (c) {v['flywheel_passed']}/{v['items']} = {v['flywheel_rate']:.1%} vs "
+                          f"{peer} {v['sft_passed']}/{v['items']}; discordant {v['flywheel_only']} / {v['sft_only']}, "
+                          f"p((c) better) = {v['p_flywheel_better']:.3g}, p({peer} better) = {v['p_sft_better']:.3g}")
     for key, by_label in out["pooled"].items():
         for label, pl in by_label.items():
             if "diff" in pl:
