@@ -16,8 +16,8 @@ Verifier per failure kind (first rule that applies)
                                            the answer's calls that must not raise
 tool-call kinds, ``runtime_exception``     ``tool_call``: valid calls against the declared schemas;
 (no code), ``invalid_json`` on a call      with a correction, the calls must match it (names,
-                                           required args, values among the allowed ones,
-                                           order-insensitive). No correction -> validity only, weak.
+(or on content when tools were offered,    required args, values among the allowed ones,
+no response format, no text correction)    order-insensitive). No correction -> validity only, weak.
 ``invalid_json`` on content                ``json_schema`` with the response format's schema (weak
                                            ``{}`` = any JSON when the trace has none)
 ``negative_feedback`` (nothing else)       ``llm_judge`` rubric from the feedback; non-deterministic
@@ -33,8 +33,11 @@ eval's contract. When every test in it is an input -> expected-output check (``a
 Why ``invalid_json`` on a *tool call* compiles to ``tool_call``: the shared answer format is BFCL's
 pythonic ``[fn(a=1)]`` (:mod:`flywheel.policy.format`), so a model never writes the arguments as
 JSON text; the JSON Schema that matters is the tool's ``parameters`` schema, which ``tool_call``
-enforces strictly (types, required, enums). A content answer that had to be JSON gets
-``json_schema``.
+enforces strictly (types, required, enums). The same holds for broken JSON written as *content* to a
+request that offered tools and gave no response format: a model that emits its calls as JSON text
+fails that way (the BFCL traffic of the demo: a quarter of its evals), and "any JSON" would pass
+``{}`` while failing the correction itself. A content answer that had to be JSON (a response format,
+or no tools offered, or a text correction) gets ``json_schema``.
 
 The stage that runs the compiler over the store and versions the suites is
 :mod:`flywheel.evals.stage`.
@@ -56,8 +59,9 @@ from flywheel.vocab.toolcalls import decode_tool_calls
 from flywheel.vocab.tools import called_names, tool_name, tool_parameters
 
 # 2: metadata.origin_outcome; request_hash of the user turns + tool names; metadata.tool_schema_sources
-# (tools without a schema get an open placeholder).
-COMPILER_VERSION = 2
+# (tools without a schema get an open placeholder). 3: invalid_json as content to a request with tools and
+# no response format compiles to tool_call (was json_schema {}, which failed the correction itself).
+COMPILER_VERSION = 3
 
 
 __all__ = [
@@ -155,6 +159,17 @@ def _response_schema(failure: dict) -> dict | None:
         if isinstance(holder.get("json_schema"), dict):
             return holder["json_schema"]
     return None
+
+
+def _invalid_json_is_a_call(failure: dict, bad: dict | None, expected_calls: list[dict] | None) -> bool:
+    """Whether an ``invalid_json`` failure on a request that offered tools was an attempted tool call:
+    the bad answer holds ``tool_calls``, or its content had no response format to follow and the
+    correction (if any) is a call. Such a failure is judged by ``tool_call`` against the correction:
+    a weak ``json_schema {}`` ("any JSON") would pass ``{}`` and fail the right call written in the
+    shared answer format (BFCL's ``[fn(a=1)]``), which is never JSON."""
+    if (bad or {}).get("tool_calls"):
+        return True
+    return _response_schema(failure) is None and expected_calls != []
 
 
 def _tool_code(failure: dict, trace_state: dict | None) -> str | None:
@@ -260,7 +275,7 @@ def compile_failure(failure: dict, *, trace_state: dict | None = None) -> dict:
         weak = expected_calls_for_tools is None
     elif tools and (
         set(kinds) & {*TOOL_CALL_KINDS, "runtime_exception"}
-        or ("invalid_json" in kinds and (bad or {}).get("tool_calls"))
+        or ("invalid_json" in kinds and _invalid_json_is_a_call(failure, bad, expected_calls_for_tools))
     ):
         if "wrong_arg_value" in kinds and expected_calls_for_tools is None:
             raise CompileSkip(f"{fid}: wrong_arg_value without a correction cannot be checked")

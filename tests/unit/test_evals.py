@@ -154,6 +154,44 @@ def test_invalid_json_on_a_tool_call_without_correction_checks_the_tool_schema()
     assert grade(task, {"role": "assistant", "content": "[get_weather(city='Oslo')]"}).passed
 
 
+@pytest.mark.parametrize("bad_content", [
+    "[get_weather(city='Os",  # a pythonic call cut off at the token limit (the demo's BFCL traffic)
+    '{"name": "get_weather", "arguments": {"city": "Oslo"',  # a call written as broken JSON text
+])
+def test_invalid_json_content_to_a_request_with_tools_is_judged_against_the_correction(bad_content):
+    # Found by the learning stage's probe: a quarter of the demo's evals (31 of 96 train-side, 11 of 44
+    # held-out) compiled to json_schema {} ("any JSON"), which failed the correction itself and passed "{}".
+    bad = {"role": "assistant", "content": bad_content}
+    correction = {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}
+    task = compile_failure(failure_payload(user("Weather in Oslo?"), [WEATHER], bad, ["invalid_json"],
+                                           correction=correction))
+    assert task["verifier"]["kind"] == "tool_call" and task["verifier"]["expected"] == correction["tool_calls"]
+    assert task["metadata"]["verifier_kind"] == "tool_call" and task["metadata"]["weak"] is False
+    assert grade(task, answer_text(task)).passed, "the correction must pass its own eval"
+    assert not grade(task, bad).passed
+    assert not grade(task, {"role": "assistant", "content": "{}"}).passed  # any JSON is not an answer
+    assert not grade(task, {"role": "assistant", "content": "[get_weather(city='Lima')]"}).passed
+    # no correction: the calls must still be valid against the tool's schema (weak)
+    weak = compile_failure(failure_payload(user("Weather in Oslo?"), [WEATHER], bad, ["invalid_json"]))
+    assert weak["verifier"]["kind"] == "tool_call" and weak["verifier"].get("expected") is None
+    assert weak["metadata"]["weak"] is True
+    assert grade(weak, {"role": "assistant", "content": "[get_weather(city='Oslo')]"}).passed
+    assert not grade(weak, {"role": "assistant", "content": "{}"}).passed
+
+
+def test_invalid_json_content_with_tools_stays_json_schema_when_json_was_the_answer():
+    # a response format: the content had to follow it, tools or not
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    f = failure_payload(user("Oslo's weather as JSON"), [WEATHER], {"role": "assistant", "content": '{"city": Oslo}'},
+                        ["invalid_json"])
+    f["response_format"] = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    assert compile_failure(f)["verifier"] == {"kind": "json_schema", "schema": schema}
+    # a text correction: the right answer was content, not a call
+    f2 = failure_payload(user("Reply with JSON"), [WEATHER], {"role": "assistant", "content": "{oops"}, ["invalid_json"],
+                         correction={"content": '{"ok": true}'})
+    assert compile_failure(f2)["verifier"]["kind"] == "json_schema"
+
+
 SLUG_TESTS = (
     "from solution import slugify\n\n"
     "def test_basic():\n    assert slugify('Hello World') == 'hello-world'\n\n"
