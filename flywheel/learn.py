@@ -86,6 +86,7 @@ class ArmResult:
     wall_s: float = 0.0
     dev_passed: int | None = None
     dev_items: int = 0
+    dev_credit: float | None = None  # mean partial credit on dev: 1 per passed item, else its verdict components' mean
     skipped: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
 
@@ -175,17 +176,34 @@ def _without(tasks: Sequence[dict], dev: set[str]) -> list[dict]:
     return out
 
 
-def choose_arm(arms: Sequence[ArmResult]) -> tuple[str, str]:
-    """The arm to ship: the best on dev if it passes strictly more dev items than the control, else the
-    control. Ties between non-control arms go to the earlier arm in :data:`ARMS` order."""
+def choose_arm(arms: Sequence[ArmResult], *, tie_break: str = "partial_credit") -> tuple[str, str]:
+    """The arm to ship: the best on dev if it is strictly better than the control there, else the control.
+
+    Better on dev: more dev items passed; with ``tie_break = "partial_credit"``, an equal pass count and a
+    higher :attr:`ArmResult.dev_credit` (a finer score of the same dev items: parseable, right functions,
+    required arguments, values), so two arms that pass the same few of 15 items are told apart by how close
+    the failures came. ``tie_break = "control"``: pass counts only. Equal on both: the control ships. Ties
+    between non-control arms go to the earlier arm in :data:`ARMS` order."""
+    if tie_break not in ("partial_credit", "control"):
+        raise ValueError(f"choose_arm: tie_break must be 'partial_credit' or 'control', got {tie_break!r}")
     scored = {a.name: a for a in arms if a.skipped is None and a.dev_passed is not None}
     if "control" not in scored:
         raise ValueError("choose_arm: the control arm has no dev score")
     control = scored["control"]
-    best = max(scored.values(), key=lambda a: (a.dev_passed, -ARMS.index(a.name) if a.name in ARMS else -99))
-    if best.name != "control" and (best.dev_passed or 0) > (control.dev_passed or 0):
-        return best.name, (f"{best.name} passed {best.dev_passed}/{best.dev_items} dev items against the control's "
-                           f"{control.dev_passed}/{control.dev_items}")
+
+    def credit(a: ArmResult) -> float:
+        return round(a.dev_credit, 6) if (tie_break == "partial_credit" and a.dev_credit is not None) else 0.0
+
+    best = max(scored.values(),
+               key=lambda a: (a.dev_passed, credit(a), -ARMS.index(a.name) if a.name in ARMS else -99))
+    if best.name != "control":
+        if (best.dev_passed or 0) > (control.dev_passed or 0):
+            return best.name, (f"{best.name} passed {best.dev_passed}/{best.dev_items} dev items against the control's "
+                               f"{control.dev_passed}/{control.dev_items}")
+        if best.dev_passed == control.dev_passed and credit(best) > credit(control):
+            return best.name, (f"{best.name} passed as many dev items as the control ({best.dev_passed}/{best.dev_items}) "
+                               f"and came closer on the rest: partial credit {credit(best):.3f} against "
+                               f"{credit(control):.3f}")
     if len(scored) == 1:
         return "control", "the control was the only arm that trained"
     others = ", ".join(f"{a.name} {a.dev_passed}" for a in scored.values() if a.name != "control")
@@ -214,9 +232,21 @@ def _tokens(res: Any) -> int:
     return int(sum(h.get("tokens", 0) for h in getattr(res, "history", []) or []))
 
 
-def _dev_score(cfg: FlywheelConfig, tracker: Tracker, version: int, dev_tasks: Sequence[dict]) -> tuple[int, list[str]]:
-    """Greedy pass count of ``model:<name>/<version>`` on the dev tasks (the gate's decoding), and the ids
-    that passed. Infrastructure errors count as not passed for every arm alike."""
+def _credit(verdict: Any) -> float:
+    """One dev item's partial credit: 1.0 when it passed, else the mean of its verdict's components."""
+    if getattr(verdict, "infra_error", None):
+        return 0.0
+    if verdict.passed:
+        return 1.0
+    comps = [float(x) for x in (getattr(verdict, "components", None) or {}).values()]
+    return sum(comps) / len(comps) if comps else 0.0
+
+
+def _dev_score(cfg: FlywheelConfig, tracker: Tracker, version: int,
+               dev_tasks: Sequence[dict]) -> tuple[int, list[str], float]:
+    """Greedy pass count of ``model:<name>/<version>`` on the dev tasks (the gate's decoding), the ids
+    that passed, and the mean partial credit (:func:`_credit`). Infrastructure errors count as not
+    passed (credit 0) for every arm alike."""
     from flywheel.envs.harness import run_episodes
     from flywheel.evaluate import decoding_for, item_row
     from flywheel.policy.base import SamplingParams
@@ -227,7 +257,8 @@ def _dev_score(cfg: FlywheelConfig, tracker: Tracker, version: int, dev_tasks: S
     policy = load_policy_for_version(cfg, tracker, cfg.cycle.model_name, version)
     episodes = run_episodes(list(dev_tasks), policy, params, context=cfg)
     passed = [str(t["task_id"]) for t, eps in zip(dev_tasks, episodes, strict=True) if item_row(t, eps)["passed"]]
-    return len(passed), passed
+    credits = [_credit(eps[0].verdict) if eps else 0.0 for eps in episodes]
+    return len(passed), passed, round(sum(credits) / len(credits), 6) if credits else 0.0
 
 
 def run_learning(
@@ -318,11 +349,11 @@ def run_learning(
     for arm in results:
         if arm.skipped is None and arm.model_version is not None and dev_tasks:
             say("learn", {"status": "running", "phase": f"dev {arm.name}", "items": len(dev_tasks)})
-            arm.dev_passed, passed_ids = _dev_score(cfg, tracker, arm.model_version, dev_tasks)
+            arm.dev_passed, passed_ids, arm.dev_credit = _dev_score(cfg, tracker, arm.model_version, dev_tasks)
             arm.dev_items = len(dev_tasks)
             arm.detail["dev_passed_ids"] = passed_ids
     if dev_tasks:
-        chosen, why = choose_arm(results)
+        chosen, why = choose_arm(results, tie_break=t.dev_tie_break)
     else:
         chosen, why = "control", dev_info["note"]
     winner = next(a for a in results if a.name == chosen)
@@ -545,6 +576,8 @@ def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnRe
             metrics[f"{a.name}.tokens"] = float(a.tokens)
             if a.dev_passed is not None:
                 metrics[f"{a.name}.dev_passed"] = float(a.dev_passed)
+            if a.dev_credit is not None:
+                metrics[f"{a.name}.dev_credit"] = float(a.dev_credit)
         if r.continuation and r.continuation.get("cpu_s") is not None:
             metrics["continuation.cpu_s"] = float(r.continuation["cpu_s"])
             metrics["continuation.tokens"] = float(r.continuation.get("tokens") or 0)

@@ -176,6 +176,11 @@ class TrainConfig(_Section):
         0.15, ge=0.0, lt=0.5, description="mode = arms: share of the real train-side failures, by whole cluster, held "
         "out of training as the dev split the arms are chosen on (never the held-out suite).",
     )
+    dev_tie_break: Literal["partial_credit", "control"] = Field(
+        "partial_credit", description="mode = arms: when an arm passes as many dev items as the control, "
+        "partial_credit ships it only if its failures came closer (mean of the verdicts' components: parseable, "
+        "right functions, required arguments, values); control: an equal pass count always ships the control.",
+    )
     dev_min_items: int = Field(8, ge=0, description="mode = arms: the dev split's minimum size (at most half the failures).")
     dev_fold_in: bool = Field(
         True, description="mode = arms: after the choice, train the dev items' corrections into the shipped model "

@@ -54,8 +54,8 @@ def test_synthetic_variants_of_dev_tasks_never_train():
     assert [t["task_id"] for t in _without(env_real, {"eval:1"})] == ["eval:2"]
 
 
-def _arm(name: str, dev: int | None, skipped: str | None = None) -> ArmResult:
-    return ArmResult(name, model_version=1, dev_passed=dev, dev_items=10, skipped=skipped)
+def _arm(name: str, dev: int | None, skipped: str | None = None, credit: float | None = None) -> ArmResult:
+    return ArmResult(name, model_version=1, dev_passed=dev, dev_items=10, skipped=skipped, dev_credit=credit)
 
 
 def test_the_control_ships_unless_an_arm_beats_it_strictly_on_dev():
@@ -68,6 +68,32 @@ def test_the_control_ships_unless_an_arm_beats_it_strictly_on_dev():
     assert "only arm" in choose_arm([_arm("control", 3)])[1]
     with pytest.raises(ValueError, match="control"):
         choose_arm([_arm("targeted", 3)])
+
+
+def test_an_equal_dev_pass_count_is_broken_by_partial_credit_and_never_against_the_control():
+    # the measured case (bench_flywheel_vs_sft, seed 0): targeted and the control both passed 6/15 on dev
+    arms = [_arm("control", 6, credit=0.52), _arm("targeted", 6, credit=0.61), _arm("rpo", 4, credit=0.70)]
+    name, why = choose_arm(arms)
+    assert name == "targeted" and "partial credit 0.610 against 0.520" in why
+    # pass counts come first: rpo's higher credit does not outrank two more passed items
+    assert choose_arm(arms, tie_break="control")[0] == "control"  # the pass-count-only rule
+    assert choose_arm([_arm("control", 6, credit=0.61), _arm("targeted", 6, credit=0.52)])[0] == "control"
+    assert choose_arm([_arm("control", 6, credit=0.5), _arm("targeted", 6, credit=0.5)])[0] == "control"  # equal: control
+    assert choose_arm([_arm("control", 6, credit=0.9), _arm("targeted", 7, credit=0.1)])[0] == "targeted"
+    with pytest.raises(ValueError, match="tie_break"):
+        choose_arm(arms, tie_break="coin")
+
+
+def test_dev_credit_is_one_per_passed_item_and_the_components_mean_otherwise():
+    from types import SimpleNamespace as NS
+
+    from flywheel.learn import _credit
+
+    assert _credit(NS(passed=True, components={"values": 0.0}, infra_error=None)) == 1.0
+    assert _credit(NS(passed=False, components={"parseable": 1.0, "function_names": 1.0, "values": 0.0, "required_args": 0.0},
+                      infra_error=None)) == 0.5
+    assert _credit(NS(passed=False, components={"parseable": 1.0}, infra_error="sandbox down")) == 0.0
+    assert _credit(NS(passed=False, components={}, infra_error=None)) == 0.0
 
 
 def test_config_refuses_arms_without_the_control():
