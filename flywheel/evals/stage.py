@@ -187,7 +187,10 @@ def _stage(store: EventStore, staging: _Staging, task: dict, origin: str, split:
     }
     old = states.get(tid)
     vk = task["metadata"]["verifier_kind"]
-    if old is not None and canonical_json(old) == canonical_json(payload):
+    # A new compiler version alone changes nothing: an eval it compiles exactly as before keeps its recorded
+    # event (and the version that compiled it); only a record that really changed is appended, with the new one.
+    if old is not None and canonical_json({**old, "compiler_version": None}) == canonical_json(
+            {**payload, "compiler_version": None}):
         summary.unchanged += 1
     else:
         bucket = summary.updated if old is not None else summary.created

@@ -109,6 +109,33 @@ def test_a_changed_failure_updates_its_eval_in_place_and_keeps_its_split(cfg, st
     assert load_suite(store, arts, name).version == 2
 
 
+def test_a_new_compiler_version_updates_only_the_evals_it_compiles_differently(cfg, store, arts, monkeypatch):
+    """Compiler 3 judges broken-JSON content to a request with tools by its correction; an eval that
+    compiler 2 recorded as ``json_schema {}`` is updated (with version 3), every other eval keeps its event."""
+    import flywheel.evals.compiler as compiler
+    import flywheel.evals.stage as stage
+
+    fids = append_failures(store, [weather_failure(c) for c in CITIES[:5]])
+    truncated = weather_failure("Valletta", kinds=("invalid_json",))
+    truncated["bad_answer"] = {"role": "assistant", "content": "[get_weather(city='Vall"}
+    fids.append(append_failure(store, truncated))
+    # what compiler 2 made of the truncated call: "any JSON"
+    old_rule = compiler._invalid_json_is_a_call
+    monkeypatch.setattr(compiler, "_invalid_json_is_a_call", lambda failure, bad, expected: bool((bad or {}).get("tool_calls")))
+    monkeypatch.setattr(stage, "COMPILER_VERSION", 2)
+    build_evals(cfg, store, arts)
+    tid = eval_id(fids[-1])
+    assert store.entity(tid)["state"]["verifier"] == {"kind": "json_schema", "schema": {}}
+    monkeypatch.setattr(compiler, "_invalid_json_is_a_call", old_rule)
+    monkeypatch.setattr(stage, "COMPILER_VERSION", 3)
+    s = build_evals(cfg, store, arts)
+    assert s.updated == {"tool_call": 1} and s.unchanged == 5 and not s.created, (s.to_dict(), s.skipped, s.splits)
+    after = store.entity(tid)["state"]
+    assert after["verifier"]["kind"] == "tool_call" and after["compiler_version"] == 3
+    assert all(store.entity(eval_id(f))["state"]["compiler_version"] == 2 for f in fids[:5])
+    assert build_evals(cfg, store, arts).events_appended == 0
+
+
 def _weather_success(store, trace_id: str, city: str) -> str:
     msgs = [{"role": "user", "content": ASKS[city]}, openai_call("get_weather", {"city": city})]
     return append_success_trace(store, trace_id, msgs, [WEATHER])
