@@ -304,11 +304,11 @@ def main() -> int:
                 sft = train_sft(cfg, store, artifacts, tracker, demos, base=cfg.policy.base_model, steps=sft_steps,
                                 budget_cpu_s=budget_cpu)
                 sft_cpu, sft_wall = time.process_time() - c0, time.perf_counter() - t0
-                log(f"seed {seed} x{factor:g}: scoring both on the held-out suite and {len(unseen.tasks)} unseen questions …")
                 mix = mix_info = None
                 if args.synth_peer:
                     mix, mix_info = synth_peer(cfg, store, artifacts, tracker, demos, budget_cpu, sft_steps, log,
                                                f"seed {seed} x{factor:g}")
+                log(f"seed {seed} x{factor:g}: scoring on the held-out suite and {len(unseen.tasks)} unseen questions …")
                 heldout = load_suite(store, artifacts, cfg.cycle.heldout_suite)
                 res, mix_res = {}, {}
                 for label, suite in (("heldout", heldout), ("unseen", unseen)):

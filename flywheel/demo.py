@@ -80,8 +80,9 @@ PROFILES: dict[str, dict[str, Any]] = {
             # steps each from that checkpoint -- plain-SFT control and probe-aimed synthesis (see arms
             # below) -- chosen on a dev split; the control ships unless an arm beats it (more dev items
             # passed, or as many and a higher partial credit: train.dev_tie_break), and the chosen arm
-            # continues 16 more steps (continue_steps), so the budget goes into the model that ships: with 3 steps per arm and no continuation the shipped
-            # control had ~18 SFT steps where plain SFT in the same CPU-seconds had 42, and trailed it
+            # continues 16 more steps (continue_steps), so the budget goes into the model that ships: with 3
+            # steps per arm and no continuation the shipped control had ~18 SFT steps where plain SFT in the
+            # same CPU-seconds had 42, and trailed it
             # (benchmarks/README.md). Each trial is also capped at 240 process CPU-seconds: the targeted
             # arm's synthetic prompts (distractor tools) are ~4x longer, measured 804 CPU-s for 3 steps uncapped.
             # prompt_grad stays "full": the one run with "answer_only" (commit 9bd5974) promoted cycle 1 on

@@ -233,13 +233,11 @@ def _tokens(res: Any) -> int:
 
 
 def _credit(verdict: Any) -> float:
-    """One dev item's partial credit: 1.0 when it passed, else the mean of its verdict's components."""
-    if getattr(verdict, "infra_error", None):
-        return 0.0
-    if verdict.passed:
-        return 1.0
-    comps = [float(x) for x in (getattr(verdict, "components", None) or {}).values()]
-    return sum(comps) / len(comps) if comps else 0.0
+    """One dev item's partial credit (the verifiers' own, as ``reward_mode = "partial"`` scores it); 0.0
+    when the verifier could not judge."""
+    from flywheel.verifiers.registry import partial_credit
+
+    return 0.0 if getattr(verdict, "infra_error", None) else partial_credit(verdict)
 
 
 def _dev_score(cfg: FlywheelConfig, tracker: Tracker, version: int,

@@ -171,10 +171,16 @@ def verify(spec: dict, trajectory: list[dict], *, context: VerifyContext | None 
     if mode not in ("binary", "partial"):
         raise SpecError(f"{kind}: reward_mode must be 'binary' or 'partial', got {mode!r}")
     if mode == "partial" and v.infra_error is None and kind != "composite":
-        comps = list(v.components.values())
-        partial = sum(comps) / len(comps) if comps else float(v.passed)
-        v = dataclasses.replace(v, reward=1.0 if v.passed else partial)
+        v = dataclasses.replace(v, reward=partial_credit(v))
     return v
+
+
+def partial_credit(v: Verdict) -> float:
+    """1.0 for a passed verdict, else the mean of its partial-credit components (0.0 without any)."""
+    if v.passed:
+        return 1.0
+    comps = list(v.components.values())
+    return sum(comps) / len(comps) if comps else 0.0
 
 
 def validate_spec(spec: dict) -> None:
