@@ -379,7 +379,9 @@ def _trained_how(cycle: dict[str, Any], version: int, name: str) -> str:
         fp = learn.get("first_pass") or {}
         arm = next((a for a in learn.get("arms") or [] if a.get("name") == learn.get("chosen")), {})
         dev = f", dev {arm.get('dev_passed')}/{arm.get('dev_items')}" if arm.get("dev_items") else ""
-        fold = " + dev fold-in" if learn.get("fold_in") else ""
+        fi = learn.get("fold_in") or {}
+        fold = (" + dev corrections in the continuation" if fi.get("into") == "continuation"
+                else " + dev fold-in" if fi else "")
         more = (learn.get("continuation") or {}).get("steps")
         cont = f" + {more} more" if more else ""
         return (f"SFT pass ({fp.get('steps')} steps, {fp.get('demonstrations')} corrections) + "

@@ -33,6 +33,11 @@ evidence that is not the held-out suite.
                    no correction is lost to the dev split; the gate then tests one model against the
                    champion, and its error rate is unchanged
 
+``train.schedule = "one_run"`` (default): first pass, an SFT arm's trial and its continuation are steps of
+one warm-up + cosine schedule and carry AdamW's state between phases (in memory), and the dev corrections
+join the continuation's data instead of a separate fold-in, so a shipped control is plain SFT in one run.
+``"per_phase"``: every phase restarts both (the earlier behaviour).
+
 What is recorded: every arm is its own training run (MLflow run, ``training.completed`` and
 ``model.registered`` events, as any SFT or GRPO run), and the whole decision is one
 ``learning.decided`` event on stream ``learn:<id>`` (arms with their budgets in steps, tokens and
@@ -89,6 +94,9 @@ class ArmResult:
     dev_credit: float | None = None  # mean partial credit on dev: 1 per passed item, else its verdict components' mean
     skipped: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    # AdamW's state at the end of an SFT arm's trial (train.schedule = "one_run"): in memory until the
+    # continuation resumes it, never recorded.
+    optimizer_state: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -105,6 +113,7 @@ class LearnResult:
     continuation: dict[str, Any] | None = None
     fold_in: dict[str, Any] | None = None
     mode: str = "arms"
+    schedule: dict[str, Any] = field(default_factory=dict)  # train.schedule and, for one_run, its total steps
     metrics: dict[str, float] = field(default_factory=dict)
     cpu_s: float = 0.0  # process CPU-seconds of the whole stage (dev decoding and registration included)
     wall_s: float = 0.0
@@ -116,6 +125,8 @@ class LearnResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for a in d["arms"]:
+            a.pop("optimizer_state", None)  # in-memory only
         d["steps"] = self.steps
         return d
 
@@ -308,10 +319,17 @@ def run_learning(
     per_epoch = math.ceil(len(real_demos) / t.batch_size)
     fp_steps = max(1, math.ceil(per_epoch * t.first_pass_epochs))
     say("learn", {"status": "running", "phase": "first pass", "demonstrations": len(real_demos), "steps": fp_steps})
+    # train.schedule = "one_run": first pass, an SFT arm's trial and its continuation are steps of one
+    # schedule with one optimizer state, so a shipped control is plain SFT in one run (no warm-up restarts,
+    # no AdamW moments reset between phases).
+    one_run = t.schedule == "one_run"
+    total = fp_steps + t.arm_steps + t.continue_steps
+    schedule_info = {"mode": t.schedule, **({"total_steps": total} if one_run else {})}
     clock = _Clock()
     first = train_sft(cfg, store, artifacts, tracker, real_demos, base=base, steps=fp_steps,
                       on_step=lambda s, m: say("learn", {"phase": "first pass", "step": s, "total": fp_steps,
-                                                         "loss": m.get("loss")}))
+                                                         "loss": m.get("loss")}),
+                      schedule=(0, total) if one_run else None, keep_optimizer_state=one_run)
     wall, cpu = clock.done()
     first_info = {"base": base, "model_entity": first.model_entity, "model_version": first.model_version, "run_id": first.run_id,
                   "mlflow_run_id": first.mlflow_run_id, "steps": first.steps, "demonstrations": len(real_demos), "tokens": _tokens(first), "cpu_s": cpu,
@@ -340,8 +358,10 @@ def run_learning(
     for name in arms_wanted:
         say("learn", {"status": "running", "phase": f"arm {name}"})
         arm = _train_arm(name, cfg, store, artifacts, tracker, ckpt, train_real, regression, env, dev, say,
-                         roll=roll, correlation_id=correlation_id, start_step=first.steps if name == "control" else 0)
+                         roll=roll, correlation_id=correlation_id, start_step=first.steps if name == "control" else 0,
+                         resume=(first.steps, total, first.optimizer_state) if one_run else None)
         results.append(arm)
+    first.optimizer_state = None  # the arms hold their own copies
 
     # 5. dev scores and the choice
     for arm in results:
@@ -359,24 +379,36 @@ def run_learning(
 
     # 5b. the chosen arm continues from its trial checkpoint: the budget goes into the model that ships
     cont: dict[str, Any] | None = None
+    dev_demos = _demos(dev_tasks)
+    # one_run: an SFT arm's continuation goes on with its trial's schedule and optimizer, and the dev
+    # corrections join its data now that the choice is made (no separate fold-in at a restarted schedule).
+    carry = one_run and winner.optimizer_state is not None
+    folded_into_continuation = False
     if t.continue_steps > 0 and final_entity:
         say("learn", {"status": "running", "phase": f"continue {chosen}", "steps": t.continue_steps})
         resume = winner.steps + (first.steps if chosen == "control" else 0)
+        extra = dev_demos if (carry and t.dev_fold_in) else []
         more = _train_arm(chosen, cfg, store, artifacts, tracker, final_entity, train_real, regression, env, dev, say,
                           roll=roll, correlation_id=correlation_id, steps=t.continue_steps, start_step=resume,
-                          budget_cpu_s=None, phase="continue")
+                          budget_cpu_s=None, phase="continue", extra_demos=extra,
+                          resume=(first.steps + winner.steps, total, winner.optimizer_state) if carry else None)
         if more.model_entity is not None:
             cont = {"arm": chosen, "from": final_entity, "model_entity": more.model_entity, "run_id": more.run_id,
                     "mlflow_run_id": more.mlflow_run_id, "steps": more.steps, "start_step": resume,
                     "tokens": more.tokens, "cpu_s": more.cpu_s, "wall_s": more.wall_s, "detail": more.detail}
             final_version, final_entity = more.model_version, more.model_entity
+            folded_into_continuation = bool(extra)
         else:
             cont = {"arm": chosen, "skipped": more.skipped}
+    for arm in results:
+        arm.optimizer_state = None  # in-memory only: free it before the fold-in loads another model
 
-    # 6. fold the dev items' corrections into the shipped model
+    # 6. fold the dev items' corrections into the shipped model (one_run: already in the continuation's data)
     fold: dict[str, Any] | None = None
-    dev_demos = _demos(dev_tasks)
-    if t.dev_fold_in and dev_demos and final_entity:
+    if folded_into_continuation:
+        fold = {"into": "continuation", "dev": len(dev_tasks), "demonstrations": len(dev_demos),
+                "run_id": (cont or {}).get("run_id"), "model_entity": final_entity, "steps": 0}
+    elif t.dev_fold_in and dev_demos and final_entity:
         clock = _Clock()
         # The dev corrections with as many replayed train-side ones: steps on 15 dev items alone at the
         # peak learning rate would pull the shipped model toward those items only.
@@ -395,7 +427,7 @@ def run_learning(
 
     result = LearnResult(learn_id=learn_id, model_version=final_version, model_entity=final_entity, chosen=chosen,
                          why=why, arms=results, first_pass=first_info, dev=dev_info, probe=probe_info,
-                         continuation=cont, fold_in=fold)
+                         continuation=cont, fold_in=fold, schedule=schedule_info)
     result.wall_s, result.cpu_s = whole.done()
     _record(cfg, store, tracker, result, correlation_id=correlation_id)
     say("learn", {"status": "done", "chosen": chosen, "model": final_entity})
@@ -434,10 +466,15 @@ _TRIAL_BUDGET = object()  # _train_arm's default budget: train.arm_budget_cpu_s
 def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker,
                ckpt: str, train_real: list[dict], regression: list[dict], env: Any, dev: set[str], say: Progress,
                *, roll: Any = None, correlation_id: str | None, steps: int | None = None, start_step: int = 0,
-               budget_cpu_s: Any = _TRIAL_BUDGET, phase: str = "arm") -> ArmResult:
+               budget_cpu_s: Any = _TRIAL_BUDGET, phase: str = "arm", extra_demos: Sequence[Demonstration] = (),
+               resume: tuple[int, int, dict[str, Any] | None] | None = None) -> ArmResult:
     """Train arm ``name`` from ``ckpt`` for ``steps`` (default ``train.arm_steps``: its trial) within
     ``budget_cpu_s`` (default ``train.arm_budget_cpu_s``). ``start_step``: batches of the same data stream
-    already trained (the first pass's for the control's trial, the trial's for a continuation)."""
+    already trained (the first pass's for the control's trial, the trial's for a continuation).
+    ``extra_demos``: more demonstrations for an SFT arm (the dev corrections, in a one_run continuation).
+    ``resume = (offset, total, optimizer_state)``: an SFT arm continues that schedule and optimizer
+    (``train.schedule = "one_run"``) and keeps its own final state in :attr:`ArmResult.optimizer_state`;
+    RPO and GRPO arms ignore it."""
     from flywheel.train.stage import train_sft
 
     t = cfg.train
@@ -450,10 +487,16 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         say("learn", {"phase": f"{phase} {name}", "step": s, "total": n_steps, "loss": m.get("loss")})
 
     res = None
+    carry: dict[str, Any] = {}
+    if resume is not None:
+        offset, total, state = resume
+        total = max(total, offset + n_steps)
+        carry = {"schedule": (offset, total), "optimizer_state": state, "keep_optimizer_state": True}
+        arm.detail["schedule"] = {"offset": offset, "total": total, "resumed_optimizer": state is not None}
     if name == "control":
-        demos = _demos(train_real, _without(regression, dev))
+        demos = _demos(train_real, _without(regression, dev)) + list(extra_demos)
         res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
-                        budget_cpu_s=budget, start_step=start_step)
+                        budget_cpu_s=budget, start_step=start_step, **carry)
         arm.detail.update(demonstrations=len(demos), start_step=start_step)
     elif name == "targeted":
         _, synth = split_sources(env.tasks)
@@ -461,9 +504,9 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         if not synth:
             arm.skipped = "no synthetic task was accepted for the targeted arm"
         else:
-            demos = _demos(train_real, _without(regression, dev)) + _demos(synth)
+            demos = _demos(train_real, _without(regression, dev)) + list(extra_demos) + _demos(synth)
             res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
-                            budget_cpu_s=budget, start_step=start_step)
+                            budget_cpu_s=budget, start_step=start_step, **carry)
             arm.detail.update(demonstrations=len(demos), synthetic=len(synth), start_step=start_step)
     elif name == "rpo":
         from flywheel.train.preference import pairs_from_samples, pairs_from_tasks, publish_pairs, train_rpo
@@ -499,11 +542,14 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         res = _grpo_arm(cfg, store, artifacts, tracker, ckpt, dev, arm, on_step, roll, steps=n_steps, budget_cpu_s=budget)
     else:  # pragma: no cover - config validation admits only ARMS
         raise ValueError(f"unknown arm {name!r}")
+    if extra_demos and res is not None and name in ("control", "targeted"):
+        arm.detail["dev_folded_in"] = len(extra_demos)
     arm.wall_s, arm.cpu_s = clock.done()
     if res is not None:
         arm.model_version, arm.model_entity, arm.run_id = res.model_version, res.model_entity, res.run_id
         arm.mlflow_run_id = res.mlflow_run_id
         arm.steps, arm.tokens = res.steps, _tokens(res)
+        arm.optimizer_state = getattr(res, "optimizer_state", None)
     else:
         say("learn", {"status": "skipped", "phase": f"arm {name}", "why": arm.skipped})
     return arm
@@ -557,7 +603,7 @@ def _grpo_arm(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, 
 
 def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnResult, *, correlation_id: str | None) -> None:
     """``learning.decided`` on ``learn:<id>`` and an MLflow run ``learn`` with every arm's figures."""
-    arms = [asdict(a) for a in r.arms]
+    arms = [{k: v for k, v in asdict(a).items() if k != "optimizer_state"} for a in r.arms]
     entities = [x for a in r.arms for x in (a.run_id, a.model_entity) if x]
     later = [x for phase in (r.continuation, r.fold_in) if phase for x in (phase.get("run_id"), phase.get("model_entity")) if x]
     causation = list(dict.fromkeys([r.first_pass["run_id"], r.first_pass["model_entity"], *entities, *later]))
@@ -585,5 +631,5 @@ def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnRe
     store.append(r.learn_id, NewEvent("learning.decided", {
         "entity_id": r.learn_id, "model": r.model_entity, "model_name": name, "model_version": version,
         "chosen": r.chosen, "why": r.why, "arms": arms, "first_pass": r.first_pass, "dev": r.dev, "probe": r.probe,
-        "continuation": r.continuation, "fold_in": r.fold_in, "cpu_s": r.cpu_s, "wall_s": r.wall_s,
+        "continuation": r.continuation, "fold_in": r.fold_in, "schedule": r.schedule, "cpu_s": r.cpu_s, "wall_s": r.wall_s,
     }, causation), correlation_id=correlation_id)

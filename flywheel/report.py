@@ -240,6 +240,11 @@ def training_curves(tracker: Tracker, runs: list[dict[str, Any]]) -> dict[str, l
     return out
 
 
+def _folded(cont: dict[str, Any]) -> str:
+    n = (cont.get("detail") or {}).get("dev_folded_in")
+    return f", with the {n} dev corrections" if n else ""
+
+
 def learning_table(learn: dict[str, Any]) -> str:
     """The learning stage's arms (``train.mode = arms``): budget, dev score, and which one shipped."""
     fp = learn.get("first_pass") or {}
@@ -254,7 +259,7 @@ def learning_table(learn: dict[str, Any]) -> str:
     if cont.get("steps"):
         rows.append(f'<tr><td>continuation ({esc(cont.get("arm"))})</td><td>{esc(cont.get("steps"))}</td>'
                     f'<td>{esc(cont.get("tokens"))}</td><td>{esc(cont.get("cpu_s"))}</td><td>--</td>'
-                    f'<td>from its trial, resuming at step {esc(cont.get("start_step"))}</td></tr>')
+                    f'<td>from its trial, resuming at step {esc(cont.get("start_step"))}{esc(_folded(cont))}</td></tr>')
     return (f'<p>Learning stage: <b>{esc(learn.get("chosen"))}</b> shipped ({esc(learn.get("why"))}).</p>'
             '<table id="arms"><tr><th>phase / arm</th><th>steps</th><th>tokens</th><th>CPU-s</th><th>dev passed</th>'
             f'<th></th></tr>{"".join(rows)}</table>')

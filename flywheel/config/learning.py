@@ -182,6 +182,13 @@ class TrainConfig(_Section):
         "right functions, required arguments, values); control: an equal pass count always ships the control.",
     )
     dev_min_items: int = Field(8, ge=0, description="mode = arms: the dev split's minimum size (at most half the failures).")
+    schedule: Literal["one_run", "per_phase"] = Field(
+        "one_run", description="mode = arms: one_run -- the first pass, an SFT arm's trial and its continuation are "
+        "steps of one warm-up + cosine schedule (first pass + arm_steps + continue_steps long) and carry AdamW's "
+        "state from phase to phase, and the dev corrections join the continuation's data instead of a separate "
+        "fold-in; a shipped control is then plain SFT, one run. per_phase: every phase restarts the schedule and "
+        "the optimizer (the earlier behaviour). RPO and GRPO arms always start their own.",
+    )
     dev_fold_in: bool = Field(
         True, description="mode = arms: after the choice, train the dev items' corrections into the shipped model "
         "(ceil(dev / batch_size) steps), so no correction is lost to the dev split.",

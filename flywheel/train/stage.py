@@ -60,9 +60,12 @@ class TrainResult:
     adapter: str = "lora"
     base: str = ""
     history: list[dict[str, float]] = field(default_factory=list)
+    #: The optimizer's state at the end (``keep_optimizer_state=True``): in memory only, for a phase of the
+    #: learning stage that continues this run (``train.schedule = "one_run"``); never registered.
+    optimizer_state: dict[str, Any] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "history"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("history", "optimizer_state")}
 
 
 class TrainStageError(RuntimeError):
@@ -129,6 +132,7 @@ def _train_and_register(
     tokenizer: Any, base_spec: str, options: TrainerOptions, steps: int, step_batches: Callable[[Any], Any],
     on_step: Callable[[int, dict[str, float]], None] | None, extra_params: dict[str, Any], run_payload: dict[str, Any],
     datasets: list[DatasetSpec], budget_cpu_s: float | None = None,
+    optimizer_state: dict[str, Any] | None = None, keep_optimizer_state: bool = False,
 ) -> TrainResult:
     from flywheel.train.trainer import Trainer  # torch: heavy, only when training
 
@@ -138,7 +142,12 @@ def _train_and_register(
     causation = list(dict.fromkeys([*consumes, base_ent]))
     if tokenizer.pad_token_id is not None:
         options = replace(options, pad_id=int(tokenizer.pad_token_id))
-    trainer = Trainer(model, options, device=_device(cfg))
+    try:
+        trainer = Trainer(model, options, device=_device(cfg), optimizer_state=optimizer_state)
+    except ValueError as e:
+        if optimizer_state is None:
+            raise
+        raise TrainStageError(f"cannot continue from {base}: {e}") from None
     history: list[dict[str, float]] = []
     adapter = "lora" if trainer.is_lora else "full"
     with tracker.run(f"train-{mode}", consumes=causation, produces=[run_id],
@@ -201,7 +210,8 @@ def _train_and_register(
         "adapter": adapter, "base_model": base_spec, "aliases": ["challenger"],
     }, [run_id]))
     return TrainResult(run_id=run_id, model_version=version, model_entity=model_ent, metrics=summary, mode=mode,
-                       mlflow_run_id=run.run_id, steps=len(history), adapter=adapter, base=base, history=history)
+                       mlflow_run_id=run.run_id, steps=len(history), adapter=adapter, base=base, history=history,
+                       optimizer_state=trainer.optimizer_state() if keep_optimizer_state else None)
 
 
 def _summary(history: list[dict[str, float]], wall: float) -> dict[str, float]:
@@ -386,11 +396,18 @@ def train_sft(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     budget_cpu_s: float | None = None,
     start_step: int = 0,
+    schedule: tuple[int, int] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
+    keep_optimizer_state: bool = False,
 ) -> TrainResult:
     """Supervised warm start on demonstrations (answer tokens only); registers the result as ``challenger``.
     ``budget_cpu_s``: stop once the run has used this many process CPU-seconds (the learning stage's arms).
     ``start_step``: resume the data stream of an earlier run on the same demonstrations after its first
     ``start_step`` batches (same seed), so continued training sees new batches, not the first ones again.
+    ``schedule = (offset, total)``: this run is steps ``offset ..`` of one warm-up + cosine schedule of
+    ``total`` steps (default: its own schedule of ``steps``); ``optimizer_state``: AdamW's state where an
+    earlier phase stopped (``keep_optimizer_state=True`` returns it in :attr:`TrainResult.optimizer_state`).
+    Together they make phases of the learning stage one uninterrupted run.
 
     Refuses held-out demonstrations (:class:`flywheel.train.demos.HeldOutDemonstrationError`) before
     loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
@@ -408,6 +425,11 @@ def train_sft(
     samples = demonstration_samples(tok, demonstrations)
     # Each demonstration is its own group, so `batches` shuffles them individually.
     opts = trainer_options(cfg, objective="sft", lr=cfg.train.sft_lr if lr is None else lr, steps=n_steps)
+    if schedule is not None:
+        offset, total = schedule
+        if offset < 0 or total < offset + 1:
+            raise TrainStageError(f"train_sft: schedule (offset {offset}, total {total}) must have 0 <= offset < total")
+        opts = replace(opts, schedule_offset=offset, total_steps=total)
     sources = list(dict.fromkeys(d.source_entity_id for d in demonstrations))
 
     def step_batches(trainer: Any):
@@ -416,9 +438,14 @@ def train_sft(
     return _train_and_register(
         cfg, store, tracker, mode="sft", base=base, consumes=sources, model=model, tokenizer=tok,
         base_spec=base_spec, options=opts, steps=n_steps, step_batches=step_batches, on_step=on_step,
-        extra_params={"demonstrations": len(demonstrations), "batch_size": cfg.train.batch_size, "start_step": start_step},
-        run_payload={"demonstrations": len(demonstrations), "sources": len(sources), "start_step": start_step},
+        extra_params={"demonstrations": len(demonstrations), "batch_size": cfg.train.batch_size, "start_step": start_step,
+                      "schedule_offset": opts.schedule_offset, "schedule_total": opts.total_steps,
+                      "resumed_optimizer": optimizer_state is not None},
+        run_payload={"demonstrations": len(demonstrations), "sources": len(sources), "start_step": start_step,
+                     **({"schedule": {"offset": opts.schedule_offset, "total": opts.total_steps,
+                                      "resumed_optimizer": optimizer_state is not None}} if schedule is not None else {})},
         datasets=[demonstrations_dataset(demonstrations, sources)], budget_cpu_s=budget_cpu_s,
+        optimizer_state=optimizer_state, keep_optimizer_state=keep_optimizer_state,
     )
 
 

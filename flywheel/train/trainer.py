@@ -378,7 +378,7 @@ class TrainerOptions:
     Per run: the objective (a GRPO-family loss or ``"sft"``), the peak ``lr``, the schedule length
     ``total_steps``, the log-prob ``temperature`` (the sampler's for GRPO, 1.0 for SFT:
     :func:`flywheel.config.objective_temperature`), the completion budget ``max_completion_len`` of
-    ``dr_grpo`` and the overlong penalty, and the tokenizer's ``pad_id``.
+    ``dr_grpo`` and the overlong penalty, the tokenizer's ``pad_id``, and ``schedule_offset``.
     """
 
     objective: Objective = "dapo"
@@ -388,6 +388,10 @@ class TrainerOptions:
     max_completion_len: int | None = None
     pad_id: int = 0
     train: TrainConfig = field(default_factory=TrainConfig)
+    #: Optimizer steps of the same schedule taken by earlier runs: a phase that continues another one (the
+    #: learning stage's ``train.schedule = "one_run"``) starts its learning rate where that one stopped, and
+    #: ``total_steps`` is then the whole run's length, not this phase's.
+    schedule_offset: int = 0
 
 
 @dataclass
@@ -428,7 +432,12 @@ class PreferenceSample:
 class Trainer:
     """Owns model, optimizer, schedule (and DeepSpeed engine). One :meth:`step` = one optimizer update."""
 
-    def __init__(self, model: Any, options: TrainerOptions, *, device: str | torch.device = "cpu"):
+    def __init__(self, model: Any, options: TrainerOptions, *, device: str | torch.device = "cpu",
+                 optimizer_state: dict[str, Any] | None = None):
+        """``optimizer_state``: an :meth:`optimizer_state` of an earlier trainer over the same trainable
+        parameters (same adapter), loaded into the new optimizer, so a phase that continues another one
+        keeps AdamW's moments instead of restarting them (a restart makes the next steps move every
+        weight by about the learning rate, whatever its gradient). Refused with DeepSpeed."""
         self.opt = options
         t = self.train = options.train
         self.device = torch.device(device)
@@ -461,10 +470,24 @@ class Trainer:
         self.n_params = sum(p.numel() for p in model.parameters())
         self.n_trainable = sum(p.numel() for p in params)
         optimizer = make_adamw(params, lr=options.lr, betas=t.betas, weight_decay=t.weight_decay)
+        if optimizer_state is not None:
+            if t.deepspeed:
+                raise ValueError("optimizer_state: resuming an optimizer is not supported with DeepSpeed")
+            try:
+                optimizer.load_state_dict(optimizer_state)
+                for p in params:  # load_state_dict checks counts only: a different adapter must not slip through
+                    avg = optimizer.state.get(p, {}).get("exp_avg")
+                    if avg is not None and tuple(avg.shape) != tuple(p.shape):
+                        raise ValueError(f"a saved moment of shape {tuple(avg.shape)} for a parameter of shape {tuple(p.shape)}")
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise ValueError(f"optimizer_state does not fit this model's trainable parameters: {e}") from e
+            for g in optimizer.param_groups:  # this phase's options set the learning rate, not the saved state
+                g["lr"] = options.lr
+                g.pop("initial_lr", None)
         sched = torch.optim.lr_scheduler.LambdaLR(
             optimizer,
             lambda s: cosine_with_warmup(
-                s, warmup=t.warmup_steps, total=options.total_steps, min_ratio=t.min_lr_ratio
+                s + options.schedule_offset, warmup=t.warmup_steps, total=options.total_steps, min_ratio=t.min_lr_ratio
             ),
         )
         self.engine = None
@@ -754,6 +777,13 @@ class Trainer:
         elif self.train.release_memory:
             _malloc_trim()
         return lr, grad_norm
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """A copy of the optimizer's state (AdamW's moments and step counts), detached from this trainer,
+        for a later :class:`Trainer` that continues the same run (``optimizer_state=``)."""
+        if self.engine is not None:
+            raise ValueError("optimizer_state: not supported with DeepSpeed")
+        return copy.deepcopy(self.optimizer.state_dict())
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Save the adapter (LoRA: ``adapter_config.json`` + ``adapter_model.safetensors``) or the full model."""

@@ -73,7 +73,18 @@ def test_each_cycle_runs_every_stage_and_says_why_the_champion_stays(demo_run):
         assert cont["steps"] == 1 and cont["start_step"] == arms[learn["chosen"]]["steps"] + (
             learn["first_pass"]["steps"] if learn["chosen"] == "control" else 0)
         assert arms["control"]["detail"]["start_step"] == learn["first_pass"]["steps"]
-        assert learn["fold_in"]["base"] == cont["model_entity"]
+        # train.schedule = one_run: first pass, trial and continuation are one schedule with one optimizer;
+        # an SFT arm's continuation takes the dev corrections, an RPO/GRPO one is followed by the fold-in
+        fp = learn["first_pass"]["steps"]
+        assert learn["schedule"] == {"mode": "one_run", "total_steps": fp + 1 + 1}
+        assert arms["control"]["detail"]["schedule"] == {"offset": fp, "total": fp + 2, "resumed_optimizer": True}
+        if learn["chosen"] in ("control", "targeted"):
+            assert cont["detail"]["schedule"] == {"offset": fp + arms[learn["chosen"]]["steps"], "total": fp + 2,
+                                                  "resumed_optimizer": True}
+            assert cont["detail"]["dev_folded_in"] >= 1
+            assert learn["fold_in"]["into"] == "continuation" and learn["fold_in"]["model_entity"] == cont["model_entity"]
+        else:
+            assert learn["fold_in"]["base"] == cont["model_entity"]
         assert learn["model_version"] == st["gate"]["challenger_version"]
         gate = st["gate"]
         assert gate["outcome"] == "insufficient_evidence" and gate["passed"] is False

@@ -200,3 +200,51 @@ def test_adamw_uses_the_fused_kernel_on_cpu_and_matches_the_default_path():
             opt.step()
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _lora_trainer(model, *, total: int, offset: int = 0, state=None) -> Trainer:
+    return Trainer(model, TrainerOptions(objective="sft", lr=2e-2, total_steps=total, schedule_offset=offset,
+                                         train=TrainConfig(lora_r=4, lora_alpha=8, warmup_steps=1)),
+                   optimizer_state=state)
+
+
+def _adapter(tr: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in tr.policy.named_parameters() if "lora_" in n}
+
+
+def test_a_phase_that_resumes_the_schedule_and_the_optimizer_continues_one_run_exactly():
+    """Issue 30 (train.schedule = one_run): the learning stage's first pass, trial and continuation are
+    separate trainers; with the schedule offset and AdamW's state carried over, 3 + 2 steps are the same
+    run as 5 steps in one trainer. Restarting both (the per_phase behaviour) gives another model."""
+    data = [batch(i) for i in range(5)]
+    one = _lora_trainer(tiny_lm(), total=5)
+    lrs_one = [one.step(b).lr for b in data]
+
+    a = _lora_trainer(tiny_lm(), total=5)
+    lrs = [a.step(b).lr for b in data[:3]]
+    b = _lora_trainer(a.policy, total=5, offset=3, state=a.optimizer_state())
+    lrs += [b.step(x).lr for x in data[3:]]
+    assert lrs == pytest.approx(lrs_one) and lrs_one[3] < lrs_one[1]  # one decay, no second warm-up
+    want, got = _adapter(one), _adapter(b)
+    assert want.keys() == got.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-6, msg=n)
+
+    r = _lora_trainer(tiny_lm(), total=3)
+    for x in data[:3]:
+        r.step(x)
+    restarted = _lora_trainer(r.policy, total=2)  # a fresh schedule and fresh AdamW moments
+    restarted.step(data[3])
+    restarted.step(data[4])
+    assert any(not torch.allclose(p, want[n], atol=1e-4) for n, p in _adapter(restarted).items())
+
+
+def test_an_optimizer_state_of_another_adapter_is_refused_by_name():
+    a = _lora_trainer(tiny_lm(), total=2)
+    a.step(batch())
+    other = Trainer(tiny_lm(), TrainerOptions(objective="sft", lr=1e-2, total_steps=2,
+                                              train=TrainConfig(lora_r=8, lora_alpha=16)))
+    with pytest.raises(ValueError, match="optimizer_state does not fit"):
+        Trainer(other.policy, TrainerOptions(objective="sft", lr=1e-2, total_steps=2,
+                                             train=TrainConfig(lora_r=8, lora_alpha=16)),
+                optimizer_state=a.optimizer_state())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
+import torch
 from flywheel.schemas.rollouts import ROLLOUT_SCHEMA
 
 
@@ -175,3 +176,45 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills_batches_from_si
     assert res.steps == 2 and len(seen) == 2
     # only group g0 carries signal outside the dev split: every batch is 4 of its samples
     assert all(len(b) == 4 and {g.rsplit("#", 1)[-1] for g in b} == {"g0"} for b in seen), seen
+
+
+def test_sft_phases_through_the_registry_are_one_run_when_the_schedule_and_optimizer_carry(cfg, store, tiny_dir):
+    """Issue 30 (train.schedule = one_run): the learning stage trains its first pass, the control's trial and
+    its continuation as three registered versions. Carrying the schedule (offset, total) and AdamW's state
+    through train_sft -- the adapter saved, registered and loaded back between phases -- gives the adapter
+    one train_sft of all the steps gives; the phases without them (per_phase) give another."""
+    from safetensors.torch import load_file
+
+    from flywheel.artifacts import open_artifacts
+    from flywheel.tracking import Tracker
+    from flywheel.train.demos import Demonstration
+    from flywheel.train.stage import train_sft
+
+    cfg.train.lora_r, cfg.train.batch_size, cfg.train.sft_lr, cfg.train.seed = 4, 2, 5e-3, 1
+    artifacts, tracker = open_artifacts(cfg), Tracker(cfg)
+    demos = [Demonstration(messages=[{"role": "user", "content": f"weather in city {i}?"}], tools=None,
+                           source_entity_id=f"eval:e{i}", split="train", answer_content=f"sunny, {i} degrees")
+             for i in range(6)]
+
+    def adapter(res):
+        d = tracker.model_dir(cfg.cycle.model_name, res.model_version)
+        return load_file(str(d / "adapter_model.safetensors"))
+
+    torch.manual_seed(0)  # LoRA's A starts random: every fresh adapter below starts from the same one
+    one = adapter(train_sft(cfg, store, artifacts, tracker, demos, base=tiny_dir, steps=5))
+    torch.manual_seed(0)
+    a = train_sft(cfg, store, artifacts, tracker, demos, base=tiny_dir, steps=3, schedule=(0, 5), keep_optimizer_state=True)
+    assert a.optimizer_state is not None and "optimizer_state" not in a.to_dict()
+    b = train_sft(cfg, store, artifacts, tracker, demos, base=a.model_entity, steps=2, start_step=3, schedule=(3, 5),
+                  optimizer_state=a.optimizer_state)
+    two = adapter(b)
+    assert one.keys() == two.keys() and one
+    for n in one:
+        torch.testing.assert_close(two[n], one[n], rtol=0, atol=1e-6, msg=n)
+    ev = store.read(b.run_id)[0].payload
+    assert ev["schedule"] == {"offset": 3, "total": 5, "resumed_optimizer": True} and ev["start_step"] == 3
+
+    torch.manual_seed(0)
+    p = train_sft(cfg, store, artifacts, tracker, demos, base=tiny_dir, steps=3)
+    restarted = adapter(train_sft(cfg, store, artifacts, tracker, demos, base=p.model_entity, steps=2, start_step=3))
+    assert any(not torch.allclose(restarted[n], one[n], atol=1e-4) for n in one)
