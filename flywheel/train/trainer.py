@@ -474,7 +474,9 @@ class Trainer:
             if t.deepspeed:
                 raise ValueError("optimizer_state: resuming an optimizer is not supported with DeepSpeed")
             try:
-                optimizer.load_state_dict(optimizer_state)
+                # A copy: torch's load_state_dict keeps the given tensors when dtype and device match, and the
+                # fused step updates them in place -- two arms resumed from one state would share its moments.
+                optimizer.load_state_dict(copy.deepcopy(optimizer_state))
                 for p in params:  # load_state_dict checks counts only: a different adapter must not slip through
                     avg = optimizer.state.get(p, {}).get("exp_avg")
                     if avg is not None and tuple(avg.shape) != tuple(p.shape):

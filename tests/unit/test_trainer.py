@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import socket
 
 import pytest
@@ -248,3 +249,18 @@ def test_an_optimizer_state_of_another_adapter_is_refused_by_name():
         Trainer(other.policy, TrainerOptions(objective="sft", lr=1e-2, total_steps=2,
                                              train=TrainConfig(lora_r=8, lora_alpha=16)),
                 optimizer_state=a.optimizer_state())
+
+
+def test_two_trainers_resumed_from_one_optimizer_state_do_not_share_its_moments():
+    """The learning stage resumes the control's and the targeted arm's trials from the first pass's one
+    state: training the first must leave that state as it was (torch's load_state_dict keeps tensors of
+    the same dtype and device, and AdamW updates them in place)."""
+    a = _lora_trainer(tiny_lm(), total=5)
+    a.step(batch())
+    state = a.optimizer_state()
+    before = copy.deepcopy(state)
+    b = _lora_trainer(a.policy, total=5, offset=1, state=state)
+    b.step(batch(1))
+    for pid, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(state["state"][pid][k], v), f"param {pid} {k} changed under the caller"
