@@ -98,6 +98,10 @@ class ArmResult:
     # continuation resumes it, never recorded.
     optimizer_state: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The recorded fields (everything but the in-memory optimizer state)."""
+        return {k: v for k, v in asdict(self).items() if k != "optimizer_state"}
+
 
 @dataclass
 class LearnResult:
@@ -125,8 +129,7 @@ class LearnResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for a in d["arms"]:
-            a.pop("optimizer_state", None)  # in-memory only
+        d["arms"] = [a.to_dict() for a in self.arms]
         d["steps"] = self.steps
         return d
 
@@ -603,7 +606,7 @@ def _grpo_arm(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, 
 
 def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnResult, *, correlation_id: str | None) -> None:
     """``learning.decided`` on ``learn:<id>`` and an MLflow run ``learn`` with every arm's figures."""
-    arms = [{k: v for k, v in asdict(a).items() if k != "optimizer_state"} for a in r.arms]
+    arms = [a.to_dict() for a in r.arms]
     entities = [x for a in r.arms for x in (a.run_id, a.model_entity) if x]
     later = [x for phase in (r.continuation, r.fold_in) if phase for x in (phase.get("run_id"), phase.get("model_entity")) if x]
     causation = list(dict.fromkeys([r.first_pass["run_id"], r.first_pass["model_entity"], *entities, *later]))
