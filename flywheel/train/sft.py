@@ -59,7 +59,12 @@ def render_demonstration(tokenizer: Any, demo: Demonstration, eot: str | None = 
 def demonstration_samples(
     tokenizer: Any, demos: Sequence[Demonstration], *, max_seq_len: int | None = None
 ) -> list[TrainSample]:
-    """Tokenised SFT samples: loss mask 1 on every answer token (end-of-turn included), 0 on the prompt."""
+    """Tokenised SFT samples: loss mask 1 on every answer token (end-of-turn included), 0 on the prompt.
+
+    Each sample is its own group (``<source>#<index>``): :func:`flywheel.train.trainer.batches` keeps a
+    group whole in one batch, and demonstrations share a source when they come from one synthesis batch
+    (``synth:<id>``, every variant of it) or repeat an item, so grouping by source put a whole synthesis
+    batch into one oversized step and no synthetic example into the others."""
     eot = end_of_turn(tokenizer)
     out = []
     for i, d in enumerate(demos):
@@ -71,6 +76,6 @@ def demonstration_samples(
                 f"demonstration {i} from {d.source_entity_id}: {len(p) + len(c)} tokens > max_seq_len {max_seq_len}"
             )
         out.append(
-            TrainSample(prompt_ids=list(p), completion_ids=list(c), loss_mask=[1] * len(c), group_id=d.source_entity_id)
+            TrainSample(prompt_ids=list(p), completion_ids=list(c), loss_mask=[1] * len(c), group_id=f"{d.source_entity_id}#{i}")
         )
     return out

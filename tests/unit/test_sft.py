@@ -90,3 +90,24 @@ def test_train_sft_refuses_heldout_before_loading_anything(cfg, store):
     with pytest.raises(HeldOutDemonstrationError):
         train_sft(cfg, store, None, Tracker(cfg), [demo("heldout", "eval:planted")], base="/nonexistent")
     assert store.read("run:*") == []
+
+
+def test_demonstrations_of_one_synthesis_batch_are_spread_over_the_steps_not_one_oversized_batch(tmp_path):
+    """Issue 30: every synthetic task of a batch names the same source (``synth:<id>``), and `batches` keeps
+    a group whole. With the source as the group, a whole synthesis batch landed in one step (12 + filler
+    sequences where the step should hold 4) and the other steps of the targeted arm saw no synthetic example."""
+    from transformers import AutoTokenizer
+
+    from flywheel.policy.models import ensure_base_model
+    from flywheel.train.sft import demonstration_samples
+    from flywheel.train.trainer import batches
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_base_model("tiny", tmp_path / "models")))
+    real = [demo(source=f"eval:e{i}") for i in range(4)]
+    synth = [demo(source="synth:one-batch") for _ in range(12)]
+    samples = demonstration_samples(tok, real + synth)
+    assert len({s.group_id for s in samples}) == 16
+    steps = list(batches(samples, 4, 8, seed=0))
+    assert [len(b) for b in steps] == [4] * 8
+    per_step = [sum(s.group_id.startswith("synth:") for s in b) for b in steps]
+    assert sum(per_step[:4]) == 12 and sum(x > 0 for x in per_step) >= 4  # one pass: every variant once, spread
