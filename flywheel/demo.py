@@ -383,7 +383,9 @@ def _trained_how(cycle: dict[str, Any], version: int, name: str) -> str:
         fold = (" + dev corrections in the continuation" if fi.get("into") == "continuation"
                 else " + dev fold-in" if fi else "")
         more = (learn.get("continuation") or {}).get("steps")
-        cont = f" + {more} more" if more else ""
+        reg = learn.get("regression") or {}
+        rep = f", {len(reg['failed'])} regression items repeated" if reg.get("failed") else ""
+        cont = f" + {more} more{rep}" if more else ""
         return (f"SFT pass ({fp.get('steps')} steps, {fp.get('demonstrations')} corrections) + "
                 f"{learn.get('chosen')} arm ({arm.get('steps')} steps{cont}{dev}){fold}")
     parts = []

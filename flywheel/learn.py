@@ -23,6 +23,10 @@ evidence that is not the held-out suite.
                                ``grpo_min_signal_groups`` groups carry signal (else skipped, with the count)
     choice         every arm is decoded greedily on the dev split; the best arm wins only if it passes
                    strictly more dev items than the control, otherwise the control ships
+    regression     before an SFT arm's continuation, its trial model answers the regression suite's items (the
+                   champion's verified production successes, train side) greedily; each item it fails joins
+                   the continuation's data ``regression_repair`` more times. The gate refuses a challenger that
+                   fails an item the champion passes, and one such item refused a 12-to-4 cycle-2 challenger
     continuation   the chosen arm trains ``continue_steps`` more steps from its trial checkpoint on its own
                    data and objective, so the arms are short trials and the budget goes into the model that
                    ships. The control's trial resumes the first pass's data stream and its continuation
@@ -68,7 +72,8 @@ from flywheel.train.demos import Demonstration, demonstrations_from_tasks
 from flywheel.vocab.ids import digest
 from flywheel.vocab.refs import parse_model_entity
 
-__all__ = ["ARMS", "ArmResult", "LearnResult", "choose_arm", "dev_split", "run_learning", "split_sources"]
+__all__ = ["ARMS", "ArmResult", "LearnResult", "choose_arm", "dev_split", "regression_repair", "run_learning",
+           "split_sources"]
 
 #: The arms the stage knows, in the order they train (the control first).
 ARMS = ("control", "targeted", "rpo", "grpo")
@@ -116,6 +121,7 @@ class LearnResult:
     probe: dict[str, Any] | None = None
     continuation: dict[str, Any] | None = None
     fold_in: dict[str, Any] | None = None
+    regression: dict[str, Any] | None = None  # the pre-continuation check on the regression suite
     mode: str = "arms"
     schedule: dict[str, Any] = field(default_factory=dict)  # train.schedule and, for one_run, its total steps
     metrics: dict[str, float] = field(default_factory=dict)
@@ -240,6 +246,15 @@ class _Clock:
 
 def _demos(tasks: Sequence[dict], regression: Sequence[dict] = ()) -> list[Demonstration]:
     return demonstrations_from_tasks(list(tasks), list(regression))
+
+
+def regression_repair(checked: Sequence[dict], passed_ids: Sequence[str], copies: int) -> tuple[list[str], list[Demonstration]]:
+    """The regression items of ``checked`` whose ids are not in ``passed_ids`` (the checked model failed
+    them), and their demonstrations ``copies`` times each: what the continuation trains on besides its own
+    data so the shipped model keeps the champion's verified successes."""
+    ok = {str(x) for x in passed_ids}
+    failed = [x for x in checked if str(x["task_id"]) not in ok]
+    return [str(x["task_id"]) for x in failed], _demos((), failed) * max(0, copies)
 
 
 def _tokens(res: Any) -> int:
@@ -387,13 +402,16 @@ def run_learning(
     # corrections join its data now that the choice is made (no separate fold-in at a restarted schedule).
     carry = one_run and winner.optimizer_state is not None
     folded_into_continuation = False
+    reg_check: dict[str, Any] | None = None
+    repair_demos: list[Demonstration] = []
     if t.continue_steps > 0 and final_entity:
+        reg_check, repair_demos = _regression_check(cfg, tracker, winner, _without(regression, dev), say)
         say("learn", {"status": "running", "phase": f"continue {chosen}", "steps": t.continue_steps})
         resume = winner.steps + (first.steps if chosen == "control" else 0)
         extra = dev_demos if (carry and t.dev_fold_in) else []
         more = _train_arm(chosen, cfg, store, artifacts, tracker, final_entity, train_real, regression, env, dev, say,
                           roll=roll, correlation_id=correlation_id, steps=t.continue_steps, start_step=resume,
-                          budget_cpu_s=None, phase="continue", extra_demos=extra,
+                          budget_cpu_s=None, phase="continue", extra_demos=extra, repair_demos=repair_demos,
                           resume=(first.steps + winner.steps, total, winner.optimizer_state) if carry else None)
         if more.model_entity is not None:
             cont = {"arm": chosen, "from": final_entity, "model_entity": more.model_entity, "run_id": more.run_id,
@@ -430,11 +448,32 @@ def run_learning(
 
     result = LearnResult(learn_id=learn_id, model_version=final_version, model_entity=final_entity, chosen=chosen,
                          why=why, arms=results, first_pass=first_info, dev=dev_info, probe=probe_info,
-                         continuation=cont, fold_in=fold, schedule=schedule_info)
+                         continuation=cont, fold_in=fold, regression=reg_check, schedule=schedule_info)
     result.wall_s, result.cpu_s = whole.done()
     _record(cfg, store, tracker, result, correlation_id=correlation_id)
     say("learn", {"status": "done", "chosen": chosen, "model": final_entity})
     return result
+
+
+def _regression_check(cfg: FlywheelConfig, tracker: Tracker, winner: ArmResult, regression: Sequence[dict],
+                      say: Progress) -> tuple[dict[str, Any] | None, list[Demonstration]]:
+    """The winner's trial model on (a seeded sample of) the regression suite's train-side items, and the
+    demonstrations its continuation adds for the items it fails (:func:`regression_repair`). ``None`` when
+    there is nothing to check; a record saying why when the check does not apply."""
+    t = cfg.train
+    if t.regression_repair <= 0 or not regression or winner.model_version is None:
+        return None, []
+    if winner.name not in ("control", "targeted"):
+        return {"skipped": f"the {winner.name} arm's continuation trains on its own objective, not on demonstrations"}, []
+    checked = sorted(regression, key=lambda x: digest(f"regression|{t.seed}|{x['task_id']}"))[: t.regression_check_items]
+    say("learn", {"status": "running", "phase": "regression check", "items": len(checked)})
+    clock = _Clock()
+    n, passed, _ = _dev_score(cfg, tracker, winner.model_version, checked)
+    failed, demos = regression_repair(checked, passed, t.regression_repair)
+    wall, cpu = clock.done()
+    return {"model_entity": winner.model_entity, "items": len(checked), "suite_items": len(regression), "passed": n,
+            "failed": failed, "copies": t.regression_repair, "demonstrations": len(demos),
+            "cpu_s": cpu, "wall_s": wall}, demos
 
 
 def _probe_and_synthesize(cfg: FlywheelConfig, tracker: Tracker, version: int, train_real: Sequence[dict],
@@ -470,11 +509,12 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
                ckpt: str, train_real: list[dict], regression: list[dict], env: Any, dev: set[str], say: Progress,
                *, roll: Any = None, correlation_id: str | None, steps: int | None = None, start_step: int = 0,
                budget_cpu_s: Any = _TRIAL_BUDGET, phase: str = "arm", extra_demos: Sequence[Demonstration] = (),
-               resume: tuple[int, int, dict[str, Any] | None] | None = None) -> ArmResult:
+               repair_demos: Sequence[Demonstration] = (), resume: tuple[int, int, dict[str, Any] | None] | None = None) -> ArmResult:
     """Train arm ``name`` from ``ckpt`` for ``steps`` (default ``train.arm_steps``: its trial) within
     ``budget_cpu_s`` (default ``train.arm_budget_cpu_s``). ``start_step``: batches of the same data stream
     already trained (the first pass's for the control's trial, the trial's for a continuation).
-    ``extra_demos``: more demonstrations for an SFT arm (the dev corrections, in a one_run continuation).
+    ``extra_demos``: more demonstrations for an SFT arm (the dev corrections, in a one_run continuation);
+    ``repair_demos``: the regression items its trial model failed, repeated (:func:`_regression_check`).
     ``resume = (offset, total, optimizer_state)``: an SFT arm continues that schedule and optimizer
     (``train.schedule = "one_run"``) and keeps its own final state in :attr:`ArmResult.optimizer_state`;
     RPO and GRPO arms ignore it."""
@@ -497,7 +537,7 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         carry = {"schedule": (offset, total), "optimizer_state": state, "keep_optimizer_state": True}
         arm.detail["schedule"] = {"offset": offset, "total": total, "resumed_optimizer": state is not None}
     if name == "control":
-        demos = _demos(train_real, _without(regression, dev)) + list(extra_demos)
+        demos = _demos(train_real, _without(regression, dev)) + list(extra_demos) + list(repair_demos)
         res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
                         budget_cpu_s=budget, start_step=start_step, **carry)
         arm.detail.update(demonstrations=len(demos), start_step=start_step)
@@ -507,7 +547,8 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         if not synth:
             arm.skipped = "no synthetic task was accepted for the targeted arm"
         else:
-            demos = _demos(train_real, _without(regression, dev)) + list(extra_demos) + _demos(synth)
+            demos = (_demos(train_real, _without(regression, dev)) + list(extra_demos) + list(repair_demos)
+                     + _demos(synth))
             res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
                             budget_cpu_s=budget, start_step=start_step, **carry)
             arm.detail.update(demonstrations=len(demos), synthetic=len(synth), start_step=start_step)
@@ -547,6 +588,8 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         raise ValueError(f"unknown arm {name!r}")
     if extra_demos and res is not None and name in ("control", "targeted"):
         arm.detail["dev_folded_in"] = len(extra_demos)
+    if repair_demos and res is not None and name in ("control", "targeted"):
+        arm.detail["regression_repair"] = len(repair_demos)
     arm.wall_s, arm.cpu_s = clock.done()
     if res is not None:
         arm.model_version, arm.model_entity, arm.run_id = res.model_version, res.model_entity, res.run_id
@@ -634,5 +677,5 @@ def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnRe
     store.append(r.learn_id, NewEvent("learning.decided", {
         "entity_id": r.learn_id, "model": r.model_entity, "model_name": name, "model_version": version,
         "chosen": r.chosen, "why": r.why, "arms": arms, "first_pass": r.first_pass, "dev": r.dev, "probe": r.probe,
-        "continuation": r.continuation, "fold_in": r.fold_in, "schedule": r.schedule, "cpu_s": r.cpu_s, "wall_s": r.wall_s,
+        "continuation": r.continuation, "fold_in": r.fold_in, "regression": r.regression, "schedule": r.schedule, "cpu_s": r.cpu_s, "wall_s": r.wall_s,
     }, causation), correlation_id=correlation_id)

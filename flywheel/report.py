@@ -260,6 +260,12 @@ def learning_table(learn: dict[str, Any]) -> str:
         rows.append(f'<tr><td>continuation ({esc(cont.get("arm"))})</td><td>{esc(cont.get("steps"))}</td>'
                     f'<td>{esc(cont.get("tokens"))}</td><td>{esc(cont.get("cpu_s"))}</td><td>--</td>'
                     f'<td>from its trial, resuming at step {esc(cont.get("start_step"))}{esc(_folded(cont))}</td></tr>')
+    reg = learn.get("regression") or {}
+    if reg.get("items"):
+        failed = ", ".join(reg.get("failed") or []) or "none"
+        rows.append(f'<tr><td>regression check</td><td>--</td><td>--</td><td>{esc(reg.get("cpu_s"))}</td>'
+                    f'<td>{esc(reg.get("passed"))}/{esc(reg.get("items"))}</td><td>trial model on the regression suite; '
+                    f'failed: {esc(failed)} (each {esc(reg.get("copies"))} more times in the continuation)</td></tr>')
     return (f'<p>Learning stage: <b>{esc(learn.get("chosen"))}</b> shipped ({esc(learn.get("why"))}).</p>'
             '<table id="arms"><tr><th>phase / arm</th><th>steps</th><th>tokens</th><th>CPU-s</th><th>dev passed</th>'
             f'<th></th></tr>{"".join(rows)}</table>')

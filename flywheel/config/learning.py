@@ -193,6 +193,16 @@ class TrainConfig(_Section):
         True, description="mode = arms: after the choice, train the dev items' corrections into the shipped model "
         "(ceil(dev / batch_size) steps), so no correction is lost to the dev split.",
     )
+    regression_repair: int = Field(
+        2, ge=0, description="mode = arms: before an SFT arm's continuation, its trial model answers the regression "
+        "suite's train-side items greedily (the champion's verified production successes; the gate refuses a "
+        "challenger that fails one the champion passes, gate.max_regression_failures), and every item it fails "
+        "joins the continuation's data this many more times. 0: no check.",
+    )
+    regression_check_items: int = Field(
+        64, ge=1, description="mode = arms: at most this many regression items are checked before the continuation "
+        "(a seeded sample), so a large suite does not cost minutes of decoding.",
+    )
     probe_tasks: int = Field(
         24, ge=0, description="mode = arms: train-side tasks the first-pass model answers greedily to count its error "
         "kinds, which aim the synthesis of the targeted arm (0: no probe).",

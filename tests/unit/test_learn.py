@@ -124,3 +124,96 @@ def test_the_controls_trial_and_continuation_resume_one_plain_sft_data_stream():
     assert first + trial + cont == plain and len(plain) == 17
     assert trial != first[:2]  # the trial goes on into the next pass instead of repeating the first batches
     assert ids(batches(samples, 4, 3, seed=3, skip=0)) == plain[:3]
+
+
+def _regression_task(i: int) -> dict:
+    return {"task_id": f"eval:r{i}", "metadata": {"cluster": f"r{i}", "split": "regression", "origin_outcome": "success"},
+            "prompt": {"messages": [{"role": "user", "content": f"rain in city {i}?"}], "tools": []},
+            "reference": {"tool_calls": [{"name": "precipitation_stats", "arguments": {"city": f"c{i}"}}]}}
+
+
+def test_the_regression_items_the_trial_model_fails_join_the_continuation_repeated():
+    """Issue 30: the gate refuses a challenger that fails a regression item the champion passes (one such item
+    refused a 12-to-4 cycle-2 challenger). The items the chosen arm's trial model fails come back, repeated,
+    as demonstrations of the continuation; items it passes add nothing."""
+    from flywheel.learn import regression_repair
+
+    checked = [_regression_task(i) for i in range(5)]
+    failed, demos = regression_repair(checked, ["eval:r0", "eval:r2", "eval:r3"], copies=2)
+    assert failed == ["eval:r1", "eval:r4"]
+    assert [d.source_entity_id for d in demos] == ["eval:r1", "eval:r4"] * 2
+    assert all(d.split == "train" and d.answer_calls[0].name == "precipitation_stats" for d in demos)
+    assert regression_repair(checked, [f"eval:r{i}" for i in range(5)], copies=2) == ([], [])
+    assert regression_repair(checked, [], copies=0)[1] == []  # 0 copies: checked, reported, nothing added
+
+
+def test_the_regression_check_is_on_by_default_and_refuses_nonsense():
+    from flywheel.config import FlywheelConfig
+
+    t = FlywheelConfig.model_validate({}).train
+    assert t.regression_repair == 2 and t.regression_check_items == 64
+    with pytest.raises(ValueError):
+        FlywheelConfig.model_validate({"train": {"regression_repair": -1}})
+    with pytest.raises(ValueError):
+        FlywheelConfig.model_validate({"train": {"regression_check_items": 0}})
+
+
+def test_the_stage_checks_the_chosen_trial_on_the_regression_suite_and_repairs_in_the_continuation(cfg, store, monkeypatch):
+    """The wiring of the check through run_learning, with training and decoding replaced by recorders: the
+    continuation's demonstrations hold the failed regression item twice more, the items passed once (the
+    replay every phase has), and learning.decided records the check."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import flywheel.learn as learn
+    import flywheel.train.stage as stage
+    import flywheel.versioning as versioning
+
+    cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control"], 0
+    cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.dev_min_items, cfg.train.batch_size = 1, 2, 2, 4
+    real = [{**_regression_task(100 + i), "task_id": f"eval:{i}",
+             "metadata": {"cluster": f"c{i}", "split": "train", "origin_outcome": "failure"}} for i in range(12)]
+    regression = [_regression_task(i) for i in range(4)]
+    monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=real))
+    monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=regression))
+    trained: list[list[str]] = []
+
+    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, keep_optimizer_state=False, **kw):
+        trained.append([d.source_entity_id for d in demos])
+        v = len(trained) + 1
+        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
+                               steps=steps, metrics={}, history=[], optimizer_state={} if keep_optimizer_state else None)
+
+    def fake_score(cfg, tracker, version, tasks):
+        passed = [t["task_id"] for t in tasks if t["task_id"] != "eval:r1"]
+        return len(passed), passed, 0.5
+
+    class Tracker:
+        def set_alias(self, *a):
+            pass
+
+        @contextlib.contextmanager
+        def run(self, *a, **kw):
+            yield SimpleNamespace(log_params=lambda *a, **k: None, log_metrics=lambda *a, **k: None)
+
+    monkeypatch.setattr(stage, "train_sft", fake_sft)
+    monkeypatch.setattr(learn, "_dev_score", fake_score)
+    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    first, trial, cont = trained
+    assert first.count("eval:r1") == trial.count("eval:r1") == 1 and cont.count("eval:r1") == 3
+    assert all(cont.count(f"eval:r{i}") == 1 for i in (0, 2, 3))
+    assert r.regression == {**r.regression, "items": 4, "passed": 3, "failed": ["eval:r1"], "copies": 2,
+                            "demonstrations": 2, "model_entity": "model:policy/3"}
+    assert r.continuation["detail"]["regression_repair"] == 2
+    (ev,) = store.read(stream=r.learn_id, types="learning.decided")
+    assert ev.payload["regression"]["failed"] == ["eval:r1"]
+
+
+def test_the_cycle_report_shows_the_regression_check_and_what_it_failed():
+    from flywheel.report import learning_table
+
+    learn = {"chosen": "control", "why": "tie", "first_pass": {"steps": 3}, "arms": [{"name": "control", "steps": 1}],
+             "regression": {"items": 4, "passed": 3, "failed": ["eval:r1"], "copies": 2, "cpu_s": 1.5}}
+    html = learning_table(learn)
+    assert "regression check" in html and "3/4" in html and "eval:r1" in html
+    assert "regression check" not in learning_table({**learn, "regression": None})
