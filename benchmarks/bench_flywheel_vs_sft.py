@@ -9,7 +9,8 @@ exactly as the demo's wave 1; replayed once and shared by every run):
 (b) **plain SFT** (the named peer): supervised fine-tuning of the base model on the same traffic's
     corrections (every train-split failure's BFCL answer; held-out ones never), for the process
     CPU-seconds (a)'s whole learning stage used (probe, synthesis, arms and dev decoding included),
-    its steps sized from (a)'s measured CPU-seconds per SFT step and capped by that budget.
+    its steps sized from (a)'s measured CPU-seconds per plain-SFT step (the cheapest of its phases on the real
+    corrections, so one phase slowed by other work does not shrink the peer) and capped by that budget.
 
 Budgets: ``--budgets 1 2 4`` scales the flywheel's learning (first-pass epochs and arm steps) and so the
 peer's CPU-seconds. Seeds: ``--seeds 0 1 2 3 4`` re-seed synthesis, rollouts and training (the split
@@ -99,6 +100,24 @@ def unseen_suite(offsets: dict[str, int], counts: dict[str, int]) -> Any:
             tasks.append(task)
     vh = suite_version_hash("bfcl-unseen", tasks)
     return Suite("suite:bfcl-unseen@1", "bfcl-unseen", 1, vh, sorted(tasks, key=lambda t: t["task_id"]))
+
+
+def peer_cpu_per_step(learn: dict[str, Any]) -> tuple[float, str]:
+    """Process CPU-seconds per plain-SFT step, to size the peer's steps: the cheapest of the flywheel's SFT
+    phases on the real corrections alone (first pass, the control's trial, the control's continuation).
+    One phase slowed by other work on the machine (a test suite beside the first pass made it 54 CPU-s per
+    step against 28 in the continuation) then does not shrink the peer's steps; its budget cap still holds.
+    Returns the figure and the phase it came from."""
+    phases = [("first pass", learn.get("first_pass") or {})]
+    phases += [(f"{a.get('name')} trial", a) for a in learn.get("arms") or [] if a.get("name") == "control"]
+    cont = learn.get("continuation") or {}
+    if cont.get("arm") == "control":
+        phases.append(("control continuation", cont))
+    rates = [(float(p["cpu_s"]) / int(p["steps"]), name) for name, p in phases
+             if p.get("steps") and p.get("cpu_s")]
+    if not rates:
+        raise ValueError("the learning stage recorded no SFT phase with steps and CPU-seconds: cannot size plain SFT")
+    return min(rates)
 
 
 def _chars(d: Any) -> int:
@@ -292,8 +311,7 @@ def main() -> int:
                 ap.error("the cycle ran no learning stage (train.mode = arms): nothing to compare")
             flywheel_version = int(learn["model_version"])
             budget_cpu = float(learn.get("cpu_s") or 0.0)
-            fp = learn["first_pass"]
-            cpu_per_step = float(fp["cpu_s"]) / max(1, int(fp["steps"]))
+            cpu_per_step, step_source = peer_cpu_per_step(learn)
             sft_steps = max(1, int(budget_cpu // cpu_per_step))
             with open_store(cfg) as store:
                 artifacts = open_artifacts(cfg)
@@ -328,6 +346,7 @@ def main() -> int:
                                                                "skipped")} for a in learn.get("arms") or []],
                              "probe": (learn.get("probe") or {}).get("counts"), "gate": (st.get("gate") or {}).get("outcome")},
                 "plain_sft": {"model": f"model:{cfg.cycle.model_name}/{sft.model_version}", "steps": sft.steps,
+                              "planned_steps": sft_steps, "cpu_per_step": round(cpu_per_step, 2), "sized_from": step_source,
                               "cpu_s": round(sft_cpu, 1), "wall_s": round(sft_wall, 1), "demonstrations": len(demos)},
                 "results": res,
             })

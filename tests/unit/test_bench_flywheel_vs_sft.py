@@ -1,0 +1,38 @@
+"""benchmarks/bench_flywheel_vs_sft.py: how the plain-SFT peer's steps are sized (no timing asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_flywheel_vs_sft.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_flywheel_vs_sft", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_peer_is_sized_from_the_cheapest_plain_sft_phase_not_one_slowed_by_other_work():
+    """Run D: a test suite beside the first pass made it 54 CPU-s per step against 28 in the control's
+    continuation; sizing from the first pass alone gave plain SFT 28 steps that used 879 of its 1,548 CPU-s."""
+    peer_cpu_per_step = _bench().peer_cpu_per_step
+    learn = {"first_pass": {"steps": 11, "cpu_s": 594.9},
+             "arms": [{"name": "control", "steps": 2, "cpu_s": 92.3}, {"name": "targeted", "steps": 2, "cpu_s": 20.0}],
+             "continuation": {"arm": "control", "steps": 16, "cpu_s": 452.9}}
+    rate, source = peer_cpu_per_step(learn)
+    assert source == "control continuation" and rate == pytest.approx(452.9 / 16)
+    assert int(1547.65 // rate) == 54
+    # the targeted arm trains on longer synthetic prompts: never a measure of plain SFT's cost
+    learn["continuation"] = {"arm": "targeted", "steps": 16, "cpu_s": 100.0}
+    assert peer_cpu_per_step(learn) == (pytest.approx(92.3 / 2), "control trial")
+    learn["arms"] = []
+    assert peer_cpu_per_step(learn) == (pytest.approx(594.9 / 11), "first pass")
+    with pytest.raises(ValueError, match="no SFT phase"):
+        peer_cpu_per_step({"first_pass": {"steps": 0, "cpu_s": 0.0}})
