@@ -83,8 +83,9 @@ PROFILES: dict[str, dict[str, Any]] = {
             # continues 16 more steps (continue_steps), so the budget goes into the model that ships: with 3
             # steps per arm and no continuation the shipped control had ~18 SFT steps where plain SFT in the
             # same CPU-seconds had 42, and trailed it
-            # (benchmarks/README.md). Each trial is also capped at 240 process CPU-seconds: the targeted
-            # arm's synthetic prompts (distractor tools) are ~4x longer, measured 804 CPU-s for 3 steps uncapped.
+            # (benchmarks/README.md). Each trial is also capped at 240 process CPU-seconds: a targeted trial once
+            # took 804 CPU-s for 3 steps uncapped -- its whole synthesis batch in one step, a bug fixed in b7a77d0;
+            # with the variants spread over the steps its 2-step trial took 85 and 132 CPU-s (demo at 21bf589).
             # prompt_grad stays "full": the one run with "answer_only" (commit 9bd5974) promoted cycle 1 on
             # 5/44 held-out items, against 11-13/44 for the full gradient before the learning stage.
             # arms: the control and the targeted arm only. In three measured cycles (bench_flywheel_vs_sft,
