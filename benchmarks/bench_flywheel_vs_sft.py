@@ -104,7 +104,8 @@ def unseen_suite(offsets: dict[str, int], counts: dict[str, int]) -> Any:
 
 def peer_cpu_per_step(learn: dict[str, Any]) -> tuple[float, str]:
     """Process CPU-seconds per plain-SFT step, to size the peer's steps: the cheapest of the flywheel's SFT
-    phases on the real corrections alone (first pass, the control's trial, the control's continuation).
+    phases on real corrections (first pass, the control's trial, the control's continuation, whose steps also
+    carry the dev corrections).
     One phase slowed by other work on the machine (a test suite beside the first pass made it 54 CPU-s per
     step against 28 in the continuation) then does not shrink the peer's steps; its budget cap still holds.
     Returns the figure and the phase it came from."""
@@ -373,9 +374,11 @@ def main() -> int:
           f"(load average {la[0]:.1f} on {os.cpu_count()} cores)")
     for r in runs:
         f, p = r["flywheel"], r["plain_sft"]
+        cut = (f" of {p['planned_steps']} planned: the CPU budget stopped it before its schedule decayed"
+               if p.get("planned_steps") and p["steps"] < p["planned_steps"] else "")
         print(f"  seed {r['seed']} x{r['budget']:g}: flywheel {f['model']} ({f['chosen']} shipped; learning "
-              f"{f['learn_cpu_s']:.0f} CPU-s)  vs  plain SFT {p['model']} ({p['steps']} steps, {p['cpu_s']:.0f} CPU-s, "
-              f"{p['demonstrations']} corrections)")
+              f"{f['learn_cpu_s']:.0f} CPU-s)  vs  plain SFT {p['model']} ({p['steps']} steps{cut}, {p['cpu_s']:.0f} "
+              f"CPU-s, {p['demonstrations']} corrections)")
         for label, x in r["results"].items():
             fa, fb = x["flywheel_wilson"], x["sft_wilson"]
             print(f"    {label:8s} ({x['items']} items): flywheel {x['flywheel_passed']}/{x['items']} = "

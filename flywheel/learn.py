@@ -404,6 +404,8 @@ def run_learning(
     folded_into_continuation = False
     reg_check: dict[str, Any] | None = None
     repair_demos: list[Demonstration] = []
+    if t.continue_steps == 0 and t.regression_repair > 0 and _without(regression, dev):
+        reg_check = {"skipped": "train.continue_steps = 0: no continuation to train the repairs in"}
     if t.continue_steps > 0 and final_entity:
         reg_check, repair_demos = _regression_check(cfg, tracker, winner, _without(regression, dev), say)
         say("learn", {"status": "running", "phase": f"continue {chosen}", "steps": t.continue_steps})
@@ -515,6 +517,7 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
     already trained (the first pass's for the control's trial, the trial's for a continuation).
     ``extra_demos``: more demonstrations for an SFT arm (the dev corrections, in a one_run continuation);
     ``repair_demos``: the regression items its trial model failed, repeated (:func:`_regression_check`).
+    Both are trained exactly once each, spread over the steps (``train_sft(extra_demonstrations=...)``).
     ``resume = (offset, total, optimizer_state)``: an SFT arm continues that schedule and optimizer
     (``train.schedule = "one_run"``) and keeps its own final state in :attr:`ArmResult.optimizer_state`;
     RPO and GRPO arms ignore it."""
@@ -530,6 +533,9 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         say("learn", {"phase": f"{phase} {name}", "step": s, "total": n_steps, "loss": m.get("loss")})
 
     res = None
+    # The dev corrections and the regression repairs are added to the steps, each trained exactly once, and
+    # leave the arm's own data stream as it was (a control's continuation stays plain SFT's next batches).
+    extras = [*extra_demos, *repair_demos]
     carry: dict[str, Any] = {}
     if resume is not None:
         offset, total, state = resume
@@ -537,9 +543,9 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         carry = {"schedule": (offset, total), "optimizer_state": state, "keep_optimizer_state": True}
         arm.detail["schedule"] = {"offset": offset, "total": total, "resumed_optimizer": state is not None}
     if name == "control":
-        demos = _demos(train_real, _without(regression, dev)) + list(extra_demos) + list(repair_demos)
+        demos = _demos(train_real, _without(regression, dev))
         res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
-                        budget_cpu_s=budget, start_step=start_step, **carry)
+                        budget_cpu_s=budget, start_step=start_step, extra_demonstrations=extras, **carry)
         arm.detail.update(demonstrations=len(demos), start_step=start_step)
     elif name == "targeted":
         _, synth = split_sources(env.tasks)
@@ -547,10 +553,9 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         if not synth:
             arm.skipped = "no synthetic task was accepted for the targeted arm"
         else:
-            demos = (_demos(train_real, _without(regression, dev)) + list(extra_demos) + list(repair_demos)
-                     + _demos(synth))
+            demos = _demos(train_real, _without(regression, dev)) + _demos(synth)
             res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
-                            budget_cpu_s=budget, start_step=start_step, **carry)
+                            budget_cpu_s=budget, start_step=start_step, extra_demonstrations=extras, **carry)
             arm.detail.update(demonstrations=len(demos), synthetic=len(synth), start_step=start_step)
     elif name == "rpo":
         from flywheel.train.preference import pairs_from_samples, pairs_from_tasks, publish_pairs, train_rpo

@@ -399,6 +399,7 @@ def train_sft(
     schedule: tuple[int, int] | None = None,
     optimizer_state: dict[str, Any] | None = None,
     keep_optimizer_state: bool = False,
+    extra_demonstrations: Sequence[Demonstration] = (),
 ) -> TrainResult:
     """Supervised warm start on demonstrations (answer tokens only); registers the result as ``challenger``.
     ``budget_cpu_s``: stop once the run has used this many process CPU-seconds (the learning stage's arms).
@@ -408,21 +409,26 @@ def train_sft(
     ``total`` steps (default: its own schedule of ``steps``); ``optimizer_state``: AdamW's state where an
     earlier phase stopped (``keep_optimizer_state=True`` returns it in :attr:`TrainResult.optimizer_state`).
     Together they make phases of the learning stage one uninterrupted run.
+    ``extra_demonstrations``: trained exactly once each, added round-robin to the run's batches
+    (:func:`flywheel.train.trainer.spread`) without changing the data stream of ``demonstrations`` (the
+    learning stage's dev corrections and regression repairs in a continuation).
 
     Refuses held-out demonstrations (:class:`flywheel.train.demos.HeldOutDemonstrationError`) before
     loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
     ``cfg.train.sft_lr`` unless ``steps``/``lr`` say otherwise; every other knob is ``cfg.train``.
     """
     from flywheel.train.sft import demonstration_samples  # torch: heavy, only when training
-    from flywheel.train.trainer import batches  # torch: heavy, only when training
+    from flywheel.train.trainer import batches, spread  # torch: heavy, only when training
 
     if not demonstrations:
         raise TrainStageError("train_sft needs at least one demonstration")
-    check_demonstrations(demonstrations, store)
+    extras = list(extra_demonstrations)
+    check_demonstrations([*demonstrations, *extras], store)
     base = base or cfg.policy.base_model
     n_steps = cfg.train.sft_steps if steps is None else steps
     model, tok, base_spec = load_policy(cfg, tracker, base, device=_device(cfg))
-    samples = demonstration_samples(tok, demonstrations)
+    every = demonstration_samples(tok, [*demonstrations, *extras])
+    samples, extra_samples = every[: len(demonstrations)], every[len(demonstrations):]
     # Each demonstration is its own group, so `batches` shuffles them individually.
     opts = trainer_options(cfg, objective="sft", lr=cfg.train.sft_lr if lr is None else lr, steps=n_steps)
     if schedule is not None:
@@ -430,21 +436,24 @@ def train_sft(
         if offset < 0 or total < offset + 1:
             raise TrainStageError(f"train_sft: schedule (offset {offset}, total {total}) must have 0 <= offset < total")
         opts = replace(opts, schedule_offset=offset, total_steps=total)
-    sources = list(dict.fromkeys(d.source_entity_id for d in demonstrations))
+    sources = list(dict.fromkeys(d.source_entity_id for d in [*demonstrations, *extras]))
 
     def step_batches(trainer: Any):
-        yield from batches(samples, cfg.train.batch_size, n_steps, seed=cfg.train.seed, skip=start_step)
+        stream = batches(samples, cfg.train.batch_size, n_steps, seed=cfg.train.seed, skip=start_step)
+        yield from (spread(stream, extra_samples, n_steps) if extra_samples and n_steps > 0 else stream)
 
     return _train_and_register(
         cfg, store, tracker, mode="sft", base=base, consumes=sources, model=model, tokenizer=tok,
         base_spec=base_spec, options=opts, steps=n_steps, step_batches=step_batches, on_step=on_step,
-        extra_params={"demonstrations": len(demonstrations), "batch_size": cfg.train.batch_size, "start_step": start_step,
+        extra_params={"demonstrations": len(demonstrations), "extra_demonstrations": len(extras),
+                      "batch_size": cfg.train.batch_size, "start_step": start_step,
                       "schedule_offset": opts.schedule_offset, "schedule_total": opts.total_steps,
                       "resumed_optimizer": optimizer_state is not None},
         run_payload={"demonstrations": len(demonstrations), "sources": len(sources), "start_step": start_step,
+                     **({"extra_demonstrations": len(extras)} if extras else {}),
                      **({"schedule": {"offset": opts.schedule_offset, "total": opts.total_steps,
                                       "resumed_optimizer": optimizer_state is not None}} if schedule is not None else {})},
-        datasets=[demonstrations_dataset(demonstrations, sources)], budget_cpu_s=budget_cpu_s,
+        datasets=[demonstrations_dataset([*demonstrations, *extras], sources)], budget_cpu_s=budget_cpu_s,
         optimizer_state=optimizer_state, keep_optimizer_state=keep_optimizer_state,
     )
 

@@ -832,3 +832,17 @@ def batches(samples: Sequence[TrainSample], batch_size: int, steps: int, *, seed
         if cur:
             yield cur
             produced += 1
+
+
+def spread(stream: Iterator[list[TrainSample]] | Sequence[list[TrainSample]], extras: Sequence[TrainSample],
+           steps: int) -> Iterator[list[TrainSample]]:
+    """``stream``'s batches with ``extras`` added round-robin over its first ``steps`` batches: batch ``i``
+    gets ``extras[i], extras[i + steps], ...``. Every extra is trained exactly once when the stream yields
+    ``steps`` batches, the stream's own batches stay what they were (a resumed data stream keeps its
+    order), and an item listed twice with others between (``[a, b, a, b]``) lands in two different steps
+    when there are at least as many steps as entries between the copies."""
+    if steps < 1:
+        raise ValueError(f"spread: steps must be >= 1, got {steps}")
+    for i, b in enumerate(stream):
+        yield list(b) + list(extras[i::steps]) if i < steps else list(b)
+

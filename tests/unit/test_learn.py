@@ -126,6 +126,28 @@ def test_the_controls_trial_and_continuation_resume_one_plain_sft_data_stream():
     assert ids(batches(samples, 4, 3, seed=3, skip=0)) == plain[:3]
 
 
+def test_extra_demonstrations_are_each_trained_once_and_leave_the_stream_as_it_was():
+    """The dev corrections and the regression repairs join a continuation through `spread`: before, they
+    were added to its data, which reshuffled the stream that `skip` resumes, and each extra landed in the
+    trained steps only by chance (about 84% per copy in the demo's cycle 2)."""
+    from types import SimpleNamespace
+
+    from flywheel.train.trainer import batches, spread
+
+    samples = [SimpleNamespace(group_id=f"demo:{i}") for i in range(21)]
+    extras = [SimpleNamespace(group_id=g) for g in ("dev:0", "dev:1", "dev:2", "reg:a", "reg:b", "reg:a", "reg:b")]
+    plain = [[s.group_id for s in b] for b in batches(samples, 4, 17, seed=3)]
+    cont = [[s.group_id for s in b] for b in spread(batches(samples, 4, 9, seed=3, skip=8), extras, 9)]
+    assert [[g for g in b if g.startswith("demo:")] for b in cont] == plain[8:17]  # the stream is untouched
+    added = [g for b in cont for g in b if not g.startswith("demo:")]
+    assert sorted(added) == sorted(e.group_id for e in extras)  # every extra exactly once
+    steps_of_a = [i for i, b in enumerate(cont) if "reg:a" in b]
+    assert len(steps_of_a) == 2 and steps_of_a[0] != steps_of_a[1]  # the two copies in different steps
+    assert sum(len(b) for b in spread(batches(samples, 4, 2, seed=3), extras, 2)) == 8 + 7  # more extras than steps
+    with pytest.raises(ValueError):
+        list(spread([], extras, 0))
+
+
 def _regression_task(i: int) -> dict:
     return {"task_id": f"eval:r{i}", "metadata": {"cluster": f"r{i}", "split": "regression", "origin_outcome": "success"},
             "prompt": {"messages": [{"role": "user", "content": f"rain in city {i}?"}], "tools": []},
@@ -177,9 +199,12 @@ def test_the_stage_checks_the_chosen_trial_on_the_regression_suite_and_repairs_i
     monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=real))
     monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=regression))
     trained: list[list[str]] = []
+    extras: list[list[str]] = []
 
-    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, keep_optimizer_state=False, **kw):
+    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, keep_optimizer_state=False, extra_demonstrations=(),
+                 **kw):
         trained.append([d.source_entity_id for d in demos])
+        extras.append([d.source_entity_id for d in extra_demonstrations])
         v = len(trained) + 1
         return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
                                steps=steps, metrics={}, history=[], optimizer_state={} if keep_optimizer_state else None)
@@ -200,8 +225,11 @@ def test_the_stage_checks_the_chosen_trial_on_the_regression_suite_and_repairs_i
     monkeypatch.setattr(learn, "_dev_score", fake_score)
     r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
     first, trial, cont = trained
-    assert first.count("eval:r1") == trial.count("eval:r1") == 1 and cont.count("eval:r1") == 3
-    assert all(cont.count(f"eval:r{i}") == 1 for i in (0, 2, 3))
+    assert first == trial == cont  # the data stream itself is the same in every phase: plain SFT's
+    assert cont.count("eval:r1") == 1 and extras[:2] == [[], []]
+    # the continuation adds the dev corrections and the failed item twice, each trained once (spread)
+    dev_ids = [t["task_id"] for t in real if t["task_id"] not in cont]
+    assert extras[2] == dev_ids + ["eval:r1", "eval:r1"] and len(dev_ids) >= 2
     assert r.regression == {**r.regression, "items": 4, "passed": 3, "failed": ["eval:r1"], "copies": 2,
                             "demonstrations": 2, "model_entity": "model:policy/3"}
     assert r.continuation["detail"]["regression_repair"] == 2

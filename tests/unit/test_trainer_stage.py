@@ -218,3 +218,35 @@ def test_sft_phases_through_the_registry_are_one_run_when_the_schedule_and_optim
     p = train_sft(cfg, store, artifacts, tracker, demos, base=tiny_dir, steps=3)
     restarted = adapter(train_sft(cfg, store, artifacts, tracker, demos, base=p.model_entity, steps=2, start_step=3))
     assert any(not torch.allclose(restarted[n], one[n], atol=1e-4) for n in one)
+
+
+def test_extra_demonstrations_are_trained_once_each_on_top_of_the_same_stream(cfg, store, tiny_dir):
+    """train_sft(extra_demonstrations=...): the learning stage's dev corrections and regression repairs join a
+    continuation's steps (each once) without reshuffling the demonstrations' own stream."""
+    from flywheel.artifacts import open_artifacts
+    from flywheel.tracking import Tracker
+    from flywheel.train.demos import Demonstration
+    from flywheel.train.stage import train_sft
+
+    cfg.train.lora_r, cfg.train.batch_size, cfg.train.seed = 4, 2, 1
+    artifacts, tracker = open_artifacts(cfg), Tracker(cfg)
+
+    def demo(i: int, source: str) -> Demonstration:
+        return Demonstration(messages=[{"role": "user", "content": f"weather in city {i}?"}], tools=None,
+                             source_entity_id=source, split="train", answer_content=f"sunny, {i} degrees")
+
+    demos = [demo(i, f"eval:e{i}") for i in range(6)]
+    extras = [demo(90, "eval:r1"), demo(91, "eval:dev1"), demo(90, "eval:r1")]
+    plain = train_sft(cfg, store, artifacts, tracker, demos, base=tiny_dir, steps=3, start_step=2)
+    more = train_sft(cfg, store, artifacts, tracker, demos, base=tiny_dir, steps=3, start_step=2,
+                     extra_demonstrations=extras)
+    from transformers import AutoTokenizer
+
+    from flywheel.train.sft import demonstration_samples
+
+    per_extra = [s.n_loss_tokens for s in demonstration_samples(AutoTokenizer.from_pretrained(tiny_dir), extras)]
+    added = [m["loss_tokens"] - p["loss_tokens"] for m, p in zip(more.history, plain.history, strict=True)]
+    assert added == per_extra and min(added) > 0  # step i trained the same batch as before plus extras[i]
+    ev = store.read(more.run_id)[0]
+    assert ev.payload["extra_demonstrations"] == 3 and ev.payload["demonstrations"] == 6
+    assert {"eval:r1", "eval:dev1", "eval:e0"} <= set(ev.causation)
