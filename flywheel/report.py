@@ -261,7 +261,10 @@ def learning_table(learn: dict[str, Any]) -> str:
                     f'<td>{esc(cont.get("tokens"))}</td><td>{esc(cont.get("cpu_s"))}</td><td>--</td>'
                     f'<td>from its trial, resuming at step {esc(cont.get("start_step"))}{esc(_folded(cont))}</td></tr>')
     reg = learn.get("regression") or {}
-    if reg.get("items"):
+    if reg.get("skipped"):
+        rows.append(f'<tr><td>regression check</td><td>--</td><td>--</td><td>--</td><td>--</td>'
+                    f'<td>not run: {esc(reg["skipped"])}</td></tr>')
+    elif reg.get("items"):
         failed = ", ".join(reg.get("failed") or []) or "none"
         rows.append(f'<tr><td>regression check</td><td>--</td><td>--</td><td>{esc(reg.get("cpu_s"))}</td>'
                     f'<td>{esc(reg.get("passed"))}/{esc(reg.get("items"))}</td><td>trial model on the regression suite; '

@@ -245,3 +245,5 @@ def test_the_cycle_report_shows_the_regression_check_and_what_it_failed():
     html = learning_table(learn)
     assert "regression check" in html and "3/4" in html and "eval:r1" in html
     assert "regression check" not in learning_table({**learn, "regression": None})
+    skipped = learning_table({**learn, "regression": {"skipped": "train.continue_steps = 0: no continuation"}})
+    assert "not run: train.continue_steps = 0" in skipped
