@@ -1,4 +1,5 @@
-"""How often does the demo's first cycle promote? The cpu profile's cycle 1, run with several seeds.
+"""How often does the demo's first cycle promote, and with ``--cycles 2`` its second? The cpu profile's
+cycles, run with several seeds.
 
 The demo's wave 1 does not depend on the seed (the base model answers greedily), so it is replayed
 once; every seed then runs cycle 1 (synthesis, SFT warm start, GRPO, gate) on a copy of that home
@@ -6,7 +7,12 @@ with `synth.seed`, `rollout.seed` and `train.seed` set to the seed, exactly as `
 does. Printed per seed: the challenger's held-out pass rate against the base model's, the gate's
 outcome with its p-value, and the wall time. A refused run is reported like any other.
 
-    .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 2 3 4       # ~5 min per seed on 2 idle cores
+``--cycles 2`` goes on as the demo does: wave 2 (the profile's second wave, the questions after wave 1's)
+through whichever model is champion after cycle 1, then cycle 2 against it (issue 30's target: cycle 2
+promotes in >= 3 of 5 seeds). Wave 2 depends on the seed, since the champion that answers it does.
+
+    .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 2 3 4       # ~12 min per seed on 2 idle cores
+    .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 2 3 4 --cycles 2   # ~30 min per seed
     .venv/bin/python benchmarks/demo_seeds.py --seeds 0 1 --json
 
 Measured figures: the README's quick start and benchmarks/README.md.
@@ -36,6 +42,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--profile", default="cpu")
     ap.add_argument("--workdir", help="keep the homes here (default: a temporary directory)")
+    ap.add_argument("--cycles", type=int, choices=(1, 2), default=1, help="2: also wave 2 and cycle 2, as the demo")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -83,34 +90,52 @@ def main() -> int:
         with open_store(cfg) as store:
             open_artifacts(cfg)
             d.ensure_champion(cfg, store, Tracker(cfg))
-        log(f"seed {seed}: cycle 1 …")
-        t0 = time.perf_counter()
-        result = run_cycle(cfg, overrides=ov)
-        wall = time.perf_counter() - t0
-        gate = (result.get("stages") or {}).get("gate") or {}
-        n = gate.get("numbers") or {}
-        rows.append({
-            "seed": seed, "outcome": result.get("outcome"), "gate": gate.get("outcome"),
-            "paired_items": n.get("paired_items"), "challenger_passed": n.get("challenger_passed"),
-            "champion_passed": n.get("champion_passed"), "challenger_rate": n.get("challenger_pass_rate"),
-            "champion_rate": n.get("champion_pass_rate"), "wins": n.get("wins"), "losses": n.get("losses"),
-            "p_value": n.get("p_value"), "wall_s": round(wall, 1), "timings": result.get("timings"),
-        })
-    promoted = sum(r["outcome"] == "promoted" for r in rows)
-    out = {"profile": args.profile, "load_average": os.getloadavg(), "runs": rows, "promoted": promoted,
-           "workdir": str(work)}
+        waves = d.PROFILES[args.profile]["waves"]
+        for c in range(1, args.cycles + 1):
+            if c == 2:  # wave 2 through the champion cycle 1 left, the questions after wave 1's
+                items = d.traffic_items(waves[1], offsets=dict(waves[0]))
+                log(f"seed {seed}: wave 2, {len(items)} questions through the champion …")
+                d.run_wave(cfg, args.profile, 2, items, config_path=None, overrides=ov, ui=d.SILENT)
+            log(f"seed {seed}: cycle {c} …")
+            t0 = time.perf_counter()
+            result = run_cycle(cfg, overrides=ov)
+            rows.append(_row(seed, c, result, time.perf_counter() - t0))
+    out: dict[str, Any] = {"profile": args.profile, "cycles": args.cycles, "load_average": os.getloadavg(),
+                           "runs": rows, "workdir": str(work)}
+    for c in range(1, args.cycles + 1):
+        out[f"cycle{c}_promoted"] = sum(r["outcome"] == "promoted" for r in rows if r["cycle"] == c)
+    out["promoted"] = out["cycle1_promoted"]
     if args.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
     la = os.getloadavg()
-    print(f"demo cycle 1, {args.profile} profile, {len(rows)} seeds (load average {la[0]:.1f} on {os.cpu_count()} cores)")
+    print(f"demo cycles 1-{args.cycles}, {args.profile} profile, {len(args.seeds)} seeds (load average {la[0]:.1f} on "
+          f"{os.cpu_count()} cores)")
     for r in rows:
+        if r["paired_items"] is None:
+            print(f"  seed {r['seed']} cycle {r['cycle']}: {r['outcome']}, no gate numbers ({r['wall_s']:.0f} s)")
+            continue
         lift = (r["challenger_rate"] or 0) - (r["champion_rate"] or 0)
-        print(f"  seed {r['seed']}: challenger {r['challenger_passed']}/{r['paired_items']} = {r['challenger_rate']:.1%} vs "
-              f"base {r['champion_passed']}/{r['paired_items']} ({lift:+.1%}); {r['wins']} wins / {r['losses']} losses, "
-              f"p = {r['p_value']:.3g}; {r['outcome']} ({r['wall_s']:.0f} s)")
-    print(f"  promoted in {promoted} of {len(rows)} runs")
+        print(f"  seed {r['seed']} cycle {r['cycle']}: challenger {r['challenger_passed']}/{r['paired_items']} = "
+              f"{r['challenger_rate']:.1%} vs champion {r['champion_passed']}/{r['paired_items']} ({lift:+.1%}); "
+              f"{r['wins']} wins / {r['losses']} losses, p = {r['p_value']:.3g}; {r['outcome']} ({r['wall_s']:.0f} s)")
+    for c in range(1, args.cycles + 1):
+        print(f"  cycle {c} promoted in {out[f'cycle{c}_promoted']} of {len(args.seeds)} seeds")
     return 0
+
+
+def _row(seed: int, cycle: int, result: dict[str, Any], wall: float) -> dict[str, Any]:
+    """One cycle's gate figures: the challenger against the champion it was gated against."""
+    gate = (result.get("stages") or {}).get("gate") or {}
+    n = gate.get("numbers") or {}
+    return {
+        "seed": seed, "cycle": cycle, "outcome": result.get("outcome"), "gate": gate.get("outcome"),
+        "champion": n.get("champion"), "challenger": n.get("challenger"),
+        "paired_items": n.get("paired_items"), "challenger_passed": n.get("challenger_passed"),
+        "champion_passed": n.get("champion_passed"), "challenger_rate": n.get("challenger_pass_rate"),
+        "champion_rate": n.get("champion_pass_rate"), "wins": n.get("wins"), "losses": n.get("losses"),
+        "p_value": n.get("p_value"), "wall_s": round(wall, 1), "timings": result.get("timings"),
+    }
 
 
 if __name__ == "__main__":
