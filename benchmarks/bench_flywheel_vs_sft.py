@@ -226,6 +226,10 @@ def main() -> int:
                     help="(c) also: SFT of the base model on the same corrections plus every synthetic task the "
                     "flywheel's cycle accepted, for the same CPU-seconds: does the flywheel's synthesis help at all?")
     args = ap.parse_args()
+    if args.json:  # stdout carries the one JSON document; DeepSpeed's banner and other prints go to stderr
+        from flywheel.cli.common import reserve_stdout_for_json
+
+        reserve_stdout_for_json()
     if args.seed is not None:
         args.seeds = [args.seed]
 
@@ -367,7 +371,9 @@ def main() -> int:
         for r in runs:
             for v in [*r["results"].values(), *(r.get("synth_sft") or {}).get("results", {}).values()]:
                 v.pop("per_item", None)
-        print(json.dumps(out, indent=2, default=str))
+        from flywheel.cli.common import emit_json
+
+        emit_json(out)
         return 0
     la = out["load_average"]
     print(f"flywheel vs plain SFT (same process CPU-seconds): seeds {args.seeds}, budgets {args.budgets} "

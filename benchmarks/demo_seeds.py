@@ -21,7 +21,6 @@ Measured figures: the README's quick start and benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -45,6 +44,10 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, choices=(1, 2), default=1, help="2: also wave 2 and cycle 2, as the demo")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.json:  # stdout carries the one JSON document; DeepSpeed's banner and other prints go to stderr
+        from flywheel.cli.common import reserve_stdout_for_json
+
+        reserve_stdout_for_json()
 
     from flywheel.flows.cycle_env import prefect_environment
 
@@ -106,7 +109,9 @@ def main() -> int:
         out[f"cycle{c}_promoted"] = sum(r["outcome"] == "promoted" for r in rows if r["cycle"] == c)
     out["promoted"] = out["cycle1_promoted"]
     if args.json:
-        print(json.dumps(out, indent=2, default=str))
+        from flywheel.cli.common import emit_json
+
+        emit_json(out)
         return 0
     la = os.getloadavg()
     print(f"demo cycles 1-{args.cycles}, {args.profile} profile, {len(args.seeds)} seeds (load average {la[0]:.1f} on "
