@@ -387,7 +387,10 @@ def _trained_how(cycle: dict[str, Any], version: int, name: str) -> str:
         reg = learn.get("regression") or {}
         rep = f", {len(reg['failed'])} regression items repeated" if reg.get("failed") else ""
         cont = f" + {more} more{rep}" if more else ""
-        return (f"SFT pass ({fp.get('steps')} steps, {fp.get('demonstrations')} corrections) + "
+        replay = int((learn.get("dev") or {}).get("replay") or 0)
+        data = (f"{fp.get('demonstrations')} demonstrations, {replay} of them replayed successes" if replay
+                else f"{fp.get('demonstrations')} corrections")
+        return (f"SFT pass ({fp.get('steps')} steps, {data}) + "
                 f"{learn.get('chosen')} arm ({arm.get('steps')} steps{cont}{dev}){fold}")
     parts = []
     sft, grpo = st.get("sft") or {}, st.get("grpo") or {}

@@ -247,3 +247,17 @@ def test_the_cycle_report_shows_the_regression_check_and_what_it_failed():
     assert "regression check" not in learning_table({**learn, "regression": None})
     skipped = learning_table({**learn, "regression": {"skipped": "train.continue_steps = 0: no continuation"}})
     assert "not run: train.continue_steps = 0" in skipped
+
+
+def test_the_scoreboard_says_which_first_pass_demonstrations_were_replayed_successes():
+    """Cycle 2's first pass replays the regression suite with the corrections; the demo's table called all
+    121 "corrections" when 14 were the champion's replayed successes."""
+    from flywheel.demo import _trained_how
+
+    learn = {"model_version": 9, "chosen": "control", "first_pass": {"steps": 16, "demonstrations": 121},
+             "dev": {"replay": 14}, "arms": [{"name": "control", "steps": 2, "dev_passed": 10, "dev_items": 19}],
+             "continuation": {"steps": 16}, "regression": {"failed": ["eval:a", "eval:b", "eval:c"]}}
+    text = _trained_how({"stages": {"learn": learn}}, 9, "policy")
+    assert "121 demonstrations, 14 of them replayed successes" in text and "3 regression items repeated" in text
+    assert "(16 steps, 81 corrections)" in _trained_how(
+        {"stages": {"learn": {**learn, "first_pass": {"steps": 16, "demonstrations": 81}, "dev": {"replay": 0}}}}, 9, "policy")
