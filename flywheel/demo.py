@@ -79,7 +79,8 @@ PROFILES: dict[str, dict[str, Any]] = {
             # cycle 2, the champion's successes and the earlier wave's corrections), then trial arms of 2
             # steps each from that checkpoint -- plain-SFT control and probe-aimed synthesis (see arms
             # below) -- chosen on a dev split; the control ships unless an arm beats it (more dev items
-            # passed, or as many and a higher partial credit: train.dev_tie_break), and the chosen arm
+            # passed, or as many and a higher partial credit, or the same greedy score and a lower loss on
+            # the dev corrections: train.dev_tie_break), and the chosen arm
             # continues 16 more steps (continue_steps), so the budget goes into the model that ships: with 3
             # steps per arm and no continuation the shipped control had ~18 SFT steps where plain SFT in the
             # same CPU-seconds had 42, and trailed it

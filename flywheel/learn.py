@@ -22,7 +22,8 @@ evidence that is not the held-out suite.
                    grpo      = GRPO on the first-pass model's own rollouts, only when at least
                                ``grpo_min_signal_groups`` groups carry signal (else skipped, with the count)
     choice         every arm is decoded greedily on the dev split; the best arm wins only if it passes
-                   strictly more dev items than the control, otherwise the control ships
+                   strictly more dev items than the control, or as many with a higher partial credit, or
+                   (the same greedy score) a lower loss on the dev corrections; otherwise the control ships
     regression     before an SFT arm's continuation, its trial model answers the regression suite's items (the
                    champion's verified production successes, train side) greedily; each item it fails joins
                    the continuation's data ``regression_repair`` more times. The gate refuses a challenger that
@@ -72,7 +73,7 @@ from flywheel.train.demos import Demonstration, demonstrations_from_tasks
 from flywheel.vocab.ids import digest
 from flywheel.vocab.refs import parse_model_entity
 
-__all__ = ["ARMS", "ArmResult", "LearnResult", "choose_arm", "dev_split", "regression_repair", "run_learning",
+__all__ = ["ARMS", "TIE_BREAKS", "ArmResult", "LearnResult", "choose_arm", "dev_split", "needs_dev_loss", "regression_repair", "run_learning",
            "split_sources"]
 
 #: The arms the stage knows, in the order they train (the control first).
@@ -97,6 +98,7 @@ class ArmResult:
     dev_passed: int | None = None
     dev_items: int = 0
     dev_credit: float | None = None  # mean partial credit on dev: 1 per passed item, else its verdict components' mean
+    dev_loss: float | None = None  # nats per answer token on the dev corrections; scored only to break a tie
     skipped: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
     # AdamW's state at the end of an SFT arm's trial (train.schedule = "one_run"): in memory until the
@@ -196,39 +198,80 @@ def _without(tasks: Sequence[dict], dev: set[str]) -> list[dict]:
     return out
 
 
-def choose_arm(arms: Sequence[ArmResult], *, tie_break: str = "partial_credit") -> tuple[str, str]:
+TIE_BREAKS = ("partial_credit_then_loss", "partial_credit", "control")
+
+
+def _dev_key(a: ArmResult, tie_break: str) -> tuple[int, float]:
+    """What the dev split says of an arm before any loss: pass count, then (unless ``tie_break =
+    "control"``) mean partial credit to six digits."""
+    credit = round(a.dev_credit, 6) if (tie_break != "control" and a.dev_credit is not None) else 0.0
+    return int(a.dev_passed or 0), credit
+
+
+def needs_dev_loss(arms: Sequence[ArmResult], *, tie_break: str) -> list[str]:
+    """The arms whose dev loss decides the choice: with ``tie_break = "partial_credit_then_loss"``, the
+    control and every arm that ties it on pass count and partial credit, when none beats it on those
+    (else no loss is needed: [])."""
+    if tie_break != "partial_credit_then_loss":
+        return []
+    scored = [a for a in arms if a.skipped is None and a.dev_passed is not None]
+    control = next((a for a in scored if a.name == "control"), None)
+    if control is None:
+        return []
+    top = max(_dev_key(a, tie_break) for a in scored)
+    if _dev_key(control, tie_break) != top:
+        return []
+    tied = [a.name for a in scored if _dev_key(a, tie_break) == top]
+    return tied if len(tied) > 1 else []
+
+
+def choose_arm(arms: Sequence[ArmResult], *, tie_break: str = "partial_credit_then_loss") -> tuple[str, str]:
     """The arm to ship: the best on dev if it is strictly better than the control there, else the control.
 
-    Better on dev: more dev items passed; with ``tie_break = "partial_credit"``, an equal pass count and a
+    Better on dev: more dev items passed; unless ``tie_break = "control"``, an equal pass count and a
     higher :attr:`ArmResult.dev_credit` (a finer score of the same dev items: parseable, right functions,
     required arguments, values), so two arms that pass the same few of 15 items are told apart by how close
-    the failures came. ``tie_break = "control"``: pass counts only. Equal on both: the control ships. Ties
-    between non-control arms go to the earlier arm in :data:`ARMS` order."""
-    if tie_break not in ("partial_credit", "control"):
-        raise ValueError(f"choose_arm: tie_break must be 'partial_credit' or 'control', got {tie_break!r}")
+    the failures came; with ``tie_break = "partial_credit_then_loss"`` (the default), equal on both (two
+    short trials from one checkpoint often give the same greedy answers) and a lower
+    :attr:`ArmResult.dev_loss` (nats per answer token of the dev corrections, to six digits): the model
+    that puts more probability on the right answers. ``tie_break = "control"``: pass counts only. Equal on
+    every score, or a loss missing: the control ships. Ties between non-control arms go to the earlier arm
+    in :data:`ARMS` order."""
+    if tie_break not in TIE_BREAKS:
+        raise ValueError(f"choose_arm: tie_break must be one of {', '.join(TIE_BREAKS)}, got {tie_break!r}")
     scored = {a.name: a for a in arms if a.skipped is None and a.dev_passed is not None}
     if "control" not in scored:
         raise ValueError("choose_arm: the control arm has no dev score")
     control = scored["control"]
+    use_loss = tie_break == "partial_credit_then_loss"
 
-    def credit(a: ArmResult) -> float:
-        return round(a.dev_credit, 6) if (tie_break == "partial_credit" and a.dev_credit is not None) else 0.0
+    def loss_key(a: ArmResult) -> float:
+        return -round(a.dev_loss, 6) if (use_loss and a.dev_loss is not None) else float("-inf")
 
     best = max(scored.values(),
-               key=lambda a: (a.dev_passed, credit(a), -ARMS.index(a.name) if a.name in ARMS else -99))
+               key=lambda a: (*_dev_key(a, tie_break), loss_key(a), -ARMS.index(a.name) if a.name in ARMS else -99))
     if best.name != "control":
-        if (best.dev_passed or 0) > (control.dev_passed or 0):
+        (bp, bc), (cp, cc) = _dev_key(best, tie_break), _dev_key(control, tie_break)
+        if bp > cp:
             return best.name, (f"{best.name} passed {best.dev_passed}/{best.dev_items} dev items against the control's "
                                f"{control.dev_passed}/{control.dev_items}")
-        if best.dev_passed == control.dev_passed and credit(best) > credit(control):
+        if bp == cp and bc > cc:
             return best.name, (f"{best.name} passed as many dev items as the control ({best.dev_passed}/{best.dev_items}) "
-                               f"and came closer on the rest: partial credit {credit(best):.3f} against "
-                               f"{credit(control):.3f}")
+                               f"and came closer on the rest: partial credit {bc:.3f} against {cc:.3f}")
+        if (bp, bc) == (cp, cc) and use_loss and best.dev_loss is not None and control.dev_loss is not None \
+                and round(best.dev_loss, 6) < round(control.dev_loss, 6):
+            return best.name, (f"{best.name} gave the control's dev score ({best.dev_passed}/{best.dev_items}, partial "
+                               f"credit {bc:.3f}) and a lower loss on the dev corrections: {best.dev_loss:.4f} against "
+                               f"{control.dev_loss:.4f} nats per answer token")
     if len(scored) == 1:
         return "control", "the control was the only arm that trained"
     others = ", ".join(f"{a.name} {a.dev_passed}" for a in scored.values() if a.name != "control")
+    loss_note = ""
+    if use_loss and control.dev_loss is not None:
+        losses = ", ".join(f"{a.name} {a.dev_loss:.4f}" for a in scored.values() if a.dev_loss is not None)
+        loss_note = f"; tied, and the dev loss did not favour another arm ({losses})"
     return "control", (f"no arm beat the control on dev (control {control.dev_passed}/{control.dev_items}; "
-                       f"{others}): the control ships")
+                       f"{others}{loss_note}): the control ships")
 
 
 # -- the stage --------------------------------------------------------------------------------------
@@ -286,6 +329,18 @@ def _dev_score(cfg: FlywheelConfig, tracker: Tracker, version: int,
     passed = [str(t["task_id"]) for t, eps in zip(dev_tasks, episodes, strict=True) if item_row(t, eps)["passed"]]
     credits = [_credit(eps[0].verdict) if eps else 0.0 for eps in episodes]
     return len(passed), passed, round(sum(credits) / len(credits), 6) if credits else 0.0
+
+
+def _dev_loss(cfg: FlywheelConfig, tracker: Tracker, version: int, dev_tasks: Sequence[dict]) -> float:
+    """Mean loss of ``model:<name>/<version>`` on the dev tasks' corrections (nats per answer token,
+    teacher-forced, rendered as training renders them; :func:`flywheel.train.sft.mean_answer_nll`), through
+    the same loading as the gate (a merged adapter where the gate merges one)."""
+    from flywheel.policy.registry import load_policy_for_version
+    from flywheel.train.sft import demonstration_samples, mean_answer_nll
+
+    policy = load_policy_for_version(cfg, tracker, cfg.cycle.model_name, version)
+    samples = demonstration_samples(policy.tokenizer, _demos(dev_tasks))
+    return round(mean_answer_nll(policy.model, samples, device=policy.device), 6)
 
 
 def run_learning(
@@ -388,6 +443,14 @@ def run_learning(
             arm.dev_passed, passed_ids, arm.dev_credit = _dev_score(cfg, tracker, arm.model_version, dev_tasks)
             arm.dev_items = len(dev_tasks)
             arm.detail["dev_passed_ids"] = passed_ids
+    # a tie on the greedy dev answers: the loss on the dev corrections of the tied arms decides (no decoding)
+    for name in (needs_dev_loss(results, tie_break=t.dev_tie_break) if dev_tasks else []):
+        arm = next(a for a in results if a.name == name)
+        assert arm.model_version is not None
+        say("learn", {"status": "running", "phase": f"dev loss {arm.name}", "items": len(dev_tasks)})
+        clock = _Clock()
+        arm.dev_loss = _dev_loss(cfg, tracker, arm.model_version, dev_tasks)
+        arm.detail["dev_loss_cpu_s"] = clock.done()[1]
     if dev_tasks:
         chosen, why = choose_arm(results, tie_break=t.dev_tie_break)
     else:
@@ -673,6 +736,8 @@ def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnRe
                 metrics[f"{a.name}.dev_passed"] = float(a.dev_passed)
             if a.dev_credit is not None:
                 metrics[f"{a.name}.dev_credit"] = float(a.dev_credit)
+            if a.dev_loss is not None:
+                metrics[f"{a.name}.dev_loss"] = float(a.dev_loss)
         if r.continuation and r.continuation.get("cpu_s") is not None:
             metrics["continuation.cpu_s"] = float(r.continuation["cpu_s"])
             metrics["continuation.tokens"] = float(r.continuation.get("tokens") or 0)

@@ -252,6 +252,10 @@ def learning_table(learn: dict[str, Any]) -> str:
             f'<td>{esc(fp.get("cpu_s"))}</td><td>--</td><td>{esc(fp.get("demonstrations"))} real corrections</td></tr>']
     for a in learn.get("arms") or []:
         dev = f'{a.get("dev_passed")}/{a.get("dev_items")}' if a.get("dev_passed") is not None else "--"
+        if a.get("dev_passed") is not None and a.get("dev_credit") is not None:
+            dev += f', credit {a["dev_credit"]:.3f}'
+        if a.get("dev_loss") is not None:
+            dev += f', loss {a["dev_loss"]:.4f}'
         mark = '<span class="pass">shipped</span>' if a.get("name") == learn.get("chosen") else esc(a.get("skipped") or "")
         rows.append(f'<tr><td>{esc(a.get("name"))}</td><td>{esc(a.get("steps"))}</td><td>{esc(a.get("tokens"))}</td>'
                     f'<td>{esc(a.get("cpu_s"))}</td><td>{esc(dev)}</td><td>{mark}</td></tr>')

@@ -176,10 +176,12 @@ class TrainConfig(_Section):
         0.15, ge=0.0, lt=0.5, description="mode = arms: share of the real train-side failures, by whole cluster, held "
         "out of training as the dev split the arms are chosen on (never the held-out suite).",
     )
-    dev_tie_break: Literal["partial_credit", "control"] = Field(
-        "partial_credit", description="mode = arms: when an arm passes as many dev items as the control, "
+    dev_tie_break: Literal["partial_credit_then_loss", "partial_credit", "control"] = Field(
+        "partial_credit_then_loss", description="mode = arms: when an arm passes as many dev items as the control, "
         "partial_credit ships it only if its failures came closer (mean of the verdicts' components: parseable, "
-        "right functions, required arguments, values); control: an equal pass count always ships the control.",
+        "right functions, required arguments, values); partial_credit_then_loss: and when that ties too (the same "
+        "greedy answers), only if its loss on the dev corrections (nats per answer token, teacher-forced) is lower; "
+        "control: an equal pass count always ships the control.",
     )
     dev_min_items: int = Field(8, ge=0, description="mode = arms: the dev split's minimum size (at most half the failures).")
     schedule: Literal["one_run", "per_phase"] = Field(

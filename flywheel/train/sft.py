@@ -79,3 +79,30 @@ def demonstration_samples(
             TrainSample(prompt_ids=list(p), completion_ids=list(c), loss_mask=[1] * len(c), group_id=f"{d.source_entity_id}#{i}")
         )
     return out
+
+
+def mean_answer_nll(model: Any, samples: Sequence[TrainSample], *, device: Any = "cpu") -> float:
+    """Mean negative log-likelihood, in nats per loss token, of the samples' answers under ``model``
+    (teacher-forced, no gradient): the SFT loss on data the model did not train on.
+
+    The learning stage scores arms on the dev corrections with it when their greedy answers on the dev
+    split tie (``train.dev_tie_break = "partial_credit_then_loss"``). One sequence at a time, unpadded, and
+    only the logits that predict answer tokens are computed (``logits_to_keep``)."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            if not s.prompt_ids or not s.completion_ids:
+                raise ValueError(f"sample {i} (group {s.group_id!r}) needs a prompt and an answer to be scored")
+            c = len(s.completion_ids)
+            ids = torch.tensor([[*s.prompt_ids, *s.completion_ids]], dtype=torch.long, device=device)
+            logits = model(input_ids=ids, logits_to_keep=c + 1).logits[0, :-1].float()  # rows predicting the answer
+            target = ids[0, -c:]
+            nll = -torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0]
+            mask = torch.tensor(s.loss_mask, dtype=torch.bool, device=nll.device)
+            total += float(nll[mask].sum())
+            count += int(mask.sum())
+    if count == 0:
+        raise ValueError("mean_answer_nll: no loss token in the samples")
+    return total / count

@@ -54,8 +54,10 @@ def test_synthetic_variants_of_dev_tasks_never_train():
     assert [t["task_id"] for t in _without(env_real, {"eval:1"})] == ["eval:2"]
 
 
-def _arm(name: str, dev: int | None, skipped: str | None = None, credit: float | None = None) -> ArmResult:
-    return ArmResult(name, model_version=1, dev_passed=dev, dev_items=10, skipped=skipped, dev_credit=credit)
+def _arm(name: str, dev: int | None, skipped: str | None = None, credit: float | None = None,
+         loss: float | None = None) -> ArmResult:
+    return ArmResult(name, model_version=1, dev_passed=dev, dev_items=10, skipped=skipped, dev_credit=credit,
+                     dev_loss=loss)
 
 
 def test_the_control_ships_unless_an_arm_beats_it_strictly_on_dev():
@@ -82,6 +84,40 @@ def test_an_equal_dev_pass_count_is_broken_by_partial_credit_and_never_against_t
     assert choose_arm([_arm("control", 6, credit=0.9), _arm("targeted", 7, credit=0.1)])[0] == "targeted"
     with pytest.raises(ValueError, match="tie_break"):
         choose_arm(arms, tie_break="coin")
+
+
+def test_the_same_greedy_dev_score_is_broken_by_the_loss_on_the_dev_corrections():
+    """Issue 30: in bench_flywheel_vs_sft (seed 0, commit 210e880) and the demo's cycle 2 (21bf589) the two
+    2-step trials gave the same greedy dev answers -- 6/15 with partial credit 0.696889 each, 10/19 with
+    0.667544 each -- and the tie shipped the control by default. The loss on the dev corrections (what the
+    model puts on the right answers, never a tie in practice) now decides such a tie; only a strictly lower
+    loss ships another arm, and a missing loss ships the control."""
+    from flywheel.learn import needs_dev_loss
+
+    tied = [_arm("control", 6, credit=0.696889), _arm("targeted", 6, credit=0.696889)]
+    assert needs_dev_loss(tied, tie_break="partial_credit_then_loss") == ["control", "targeted"]
+    assert needs_dev_loss(tied, tie_break="partial_credit") == []
+    assert choose_arm(tied)[0] == "control"  # no loss scored: the control
+    lower = [_arm("control", 6, credit=0.696889, loss=0.4187), _arm("targeted", 6, credit=0.696889, loss=0.4123)]
+    name, why = choose_arm(lower)
+    assert name == "targeted" and "0.4123 against 0.4187" in why
+    assert choose_arm(lower, tie_break="partial_credit")[0] == "control"  # the rule before it
+    higher = [_arm("control", 6, credit=0.7, loss=0.41), _arm("targeted", 6, credit=0.7, loss=0.45)]
+    name, why = choose_arm(higher)
+    assert name == "control" and "targeted 0.4500" in why
+    assert choose_arm([_arm("control", 6, credit=0.7, loss=0.41), _arm("targeted", 6, credit=0.7, loss=0.41)])[0] == "control"
+    # the loss never overrules the greedy score: fewer passes or less credit lose whatever the loss
+    assert choose_arm([_arm("control", 6, credit=0.7, loss=0.9), _arm("targeted", 5, credit=0.9, loss=0.1)])[0] == "control"
+    assert choose_arm([_arm("control", 6, credit=0.7, loss=0.9), _arm("targeted", 6, credit=0.6, loss=0.1)])[0] == "control"
+    # no loss is needed when the greedy score already decides, or when nothing ties the control
+    assert needs_dev_loss([_arm("control", 6, credit=0.5), _arm("targeted", 6, credit=0.6)],
+                          tie_break="partial_credit_then_loss") == []
+    assert needs_dev_loss([_arm("control", 6, credit=0.6), _arm("targeted", 5, credit=0.9)],
+                          tie_break="partial_credit_then_loss") == []
+    # three arms, two tied with the control and one below: the loss is scored for the tied ones only
+    three = [_arm("control", 6, credit=0.6), _arm("targeted", 6, credit=0.6), _arm("rpo", 4, credit=0.9),
+             _arm("grpo", 6, credit=0.6)]
+    assert needs_dev_loss(three, tie_break="partial_credit_then_loss") == ["control", "targeted", "grpo"]
 
 
 def test_dev_credit_is_one_per_passed_item_and_the_components_mean_otherwise():
@@ -235,6 +271,68 @@ def test_the_stage_checks_the_chosen_trial_on_the_regression_suite_and_repairs_i
     assert r.continuation["detail"]["regression_repair"] == 2
     (ev,) = store.read(stream=r.learn_id, types="learning.decided")
     assert ev.payload["regression"]["failed"] == ["eval:r1"]
+
+
+def test_the_stage_scores_the_dev_loss_of_tied_trials_only_and_ships_the_lower(cfg, store, monkeypatch):
+    """The wiring through run_learning, training and scoring replaced by recorders: two trials with the same
+    greedy dev score get their dev loss scored (nothing else does), the lower one continues and ships, and
+    learning.decided and the MLflow metrics carry the losses."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import flywheel.learn as learn
+    import flywheel.train.stage as stage
+    import flywheel.versioning as versioning
+
+    cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control", "targeted"], 0
+    cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.dev_min_items, cfg.train.batch_size = 1, 2, 2, 4
+    real = [{**_regression_task(100 + i), "task_id": f"eval:{i}",
+             "metadata": {"cluster": f"c{i}", "split": "train", "origin_outcome": "failure"}} for i in range(12)]
+    synth = [{**_regression_task(200 + i), "task_id": f"synth:{i}",
+              "metadata": {"cluster": "c0", "split": "train", "synth_batch": "synth:b", "origin_outcome": "synthetic"}}
+             for i in range(4)]
+    monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=real + synth))
+    monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
+    bases: list[str] = []
+
+    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False, **kw):
+        bases.append(base)
+        v = len(bases) + 1
+        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
+                               steps=steps, metrics={}, history=[], optimizer_state={} if keep_optimizer_state else None)
+
+    scored_loss: list[int] = []
+
+    def fake_loss(cfg, tracker, version, tasks):
+        scored_loss.append(version)
+        return {3: 0.52, 4: 0.47}[version]  # v3 the control's trial, v4 the targeted trial
+
+    logged: dict = {}
+
+    class Tracker:
+        def set_alias(self, *a):
+            pass
+
+        @contextlib.contextmanager
+        def run(self, *a, **kw):
+            yield SimpleNamespace(log_params=lambda *a, **k: None, log_metrics=lambda m, **k: logged.update(m))
+
+    monkeypatch.setattr(stage, "train_sft", fake_sft)
+    monkeypatch.setattr(learn, "_dev_score", lambda cfg, tracker, version, tasks: (1, [tasks[0]["task_id"]], 0.6))
+    monkeypatch.setattr(learn, "_dev_loss", fake_loss)
+    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    assert sorted(scored_loss) == [3, 4]
+    assert r.chosen == "targeted" and "0.4700 against 0.5200" in r.why
+    assert bases[-1] == "model:policy/4"  # the continuation starts from the targeted trial
+    (ev,) = store.read(stream=r.learn_id, types="learning.decided")
+    assert {a["name"]: a["dev_loss"] for a in ev.payload["arms"]} == {"control": 0.52, "targeted": 0.47}
+    assert logged["targeted.dev_loss"] == 0.47
+    # a clear greedy decision scores no loss at all
+    scored_loss.clear()
+    bases.clear()
+    monkeypatch.setattr(learn, "_dev_score", lambda cfg, tracker, version, tasks: (1 if version == 3 else 0, [], 0.6))
+    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    assert scored_loss == [] and r.chosen == "control"
 
 
 def test_the_cycle_report_shows_the_regression_check_and_what_it_failed():

@@ -111,3 +111,39 @@ def test_demonstrations_of_one_synthesis_batch_are_spread_over_the_steps_not_one
     assert [len(b) for b in steps] == [4] * 8
     per_step = [sum(s.group_id.startswith("synth:") for s in b) for b in steps]
     assert sum(per_step[:4]) == 12 and sum(x > 0 for x in per_step) >= 4  # one pass: every variant once, spread
+
+
+def test_the_dev_loss_is_the_sft_loss_of_the_answers_per_loss_token():
+    """mean_answer_nll (the learning stage's dev loss) is the trainer's own teacher-forced log-likelihood of
+    the answer tokens, masked tokens left out, averaged per loss token over the samples -- and it drops
+    when the model is trained toward those answers."""
+    from flywheel.train.sft import mean_answer_nll
+
+    model = tiny_lm().eval()
+    samples = [TrainSample(prompt_ids=[1, 5, 6, 7], completion_ids=[9, 10, 2], loss_mask=[1, 1, 1]),
+               TrainSample(prompt_ids=[3], completion_ids=[4, 8, 11, 2], loss_mask=[1, 0, 1, 1])]
+    with torch.no_grad():
+        (mb,) = make_micro_batches(samples, token_budget=64)
+        logp, _ = sequence_logprobs(model, mb)
+    mask = torch.zeros_like(logp)
+    for k, s in enumerate(mb.samples):
+        mask[k, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=logp.dtype)
+    expected = float(-(logp * mask).sum() / mask.sum())
+    got = mean_answer_nll(model, samples)
+    assert got == pytest.approx(expected, rel=1e-5) and got > 0
+    # the per-token mean, not a mean of per-sample means (the two samples have 3 and 3 loss tokens here, so
+    # check with an unequal pair too)
+    one = mean_answer_nll(model, samples[:1])
+    two = mean_answer_nll(model, samples[1:])
+    longer = [samples[0], samples[0], samples[1]]
+    assert mean_answer_nll(model, longer) == pytest.approx((2 * 3 * one + 3 * two) / 9, rel=1e-5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(5):
+        opt.zero_grad()
+        (mb,) = make_micro_batches(samples, token_budget=64)
+        lp, _ = sequence_logprobs(model, mb)
+        (-(lp * mask).sum() / mask.sum()).backward()
+        opt.step()
+    assert mean_answer_nll(model, samples) < got
+    with pytest.raises(ValueError, match="loss token"):
+        mean_answer_nll(model, [TrainSample(prompt_ids=[1], completion_ids=[2], loss_mask=[0])])
