@@ -444,13 +444,13 @@ def run_learning(
             arm.dev_items = len(dev_tasks)
             arm.detail["dev_passed_ids"] = passed_ids
     # a tie on the greedy dev answers: the loss on the dev corrections of the tied arms decides (no decoding)
-    for name in (needs_dev_loss(results, tie_break=t.dev_tie_break) if dev_tasks else []):
-        arm = next(a for a in results if a.name == name)
-        assert arm.model_version is not None
-        say("learn", {"status": "running", "phase": f"dev loss {arm.name}", "items": len(dev_tasks)})
-        clock = _Clock()
-        arm.dev_loss = _dev_loss(cfg, tracker, arm.model_version, dev_tasks)
-        arm.detail["dev_loss_cpu_s"] = clock.done()[1]
+    tied = set(needs_dev_loss(results, tie_break=t.dev_tie_break) if dev_tasks else [])
+    for scored in (a for a in results if a.name in tied):
+        assert scored.model_version is not None
+        say("learn", {"status": "running", "phase": f"dev loss {scored.name}", "items": len(dev_tasks)})
+        loss_clock = _Clock()
+        scored.dev_loss = _dev_loss(cfg, tracker, scored.model_version, dev_tasks)
+        scored.detail["dev_loss_cpu_s"] = loss_clock.done()[1]
     if dev_tasks:
         chosen, why = choose_arm(results, tie_break=t.dev_tie_break)
     else:
