@@ -206,6 +206,19 @@ def pooled(runs: list[dict[str, Any]], label: str, draws: int = 2000, seed: int 
             "p_sign_sft_better": sign_test(losses, wins)}
 
 
+def _setting(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` of ``--set``: the value as JSON when it parses, else the string itself."""
+    name, sep, raw = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not (sep and dot and section and key):
+        raise ValueError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. train.synthesis_in=stream")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return section, key, value
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smaller wave and fewer unseen questions")
@@ -225,7 +238,14 @@ def main() -> int:
     ap.add_argument("--synth-peer", action="store_true",
                     help="(c) also: SFT of the base model on the same corrections plus every synthetic task the "
                     "flywheel's cycle accepted, for the same CPU-seconds: does the flywheel's synthesis help at all?")
+    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config override for the flywheel's cycle on top of the cpu profile's, e.g. "
+                    "--set train.synthesis_in=stream (VALUE is read as JSON, else as a string); repeatable")
     args = ap.parse_args()
+    try:
+        settings = [_setting(x) for x in args.settings]
+    except ValueError as e:
+        ap.error(str(e))
     if args.json:  # stdout carries the one JSON document; DeepSpeed's banner and other prints go to stderr
         from flywheel.cli.common import reserve_stdout_for_json
 
@@ -289,6 +309,8 @@ def main() -> int:
             ov["train"]["first_pass_epochs"] = ov["train"]["first_pass_epochs"] * factor
             ov["train"]["arm_steps"] = max(1, round(ov["train"]["arm_steps"] * factor))
             ov["train"]["continue_steps"] = round(ov["train"].get("continue_steps", 0) * factor)
+            for section, key, value in settings:
+                ov.setdefault(section, {})[key] = value
             if args.max_new_tokens:
                 ov["gate"]["max_new_tokens"] = ov["rollout"]["max_new_tokens"] = args.max_new_tokens
             cfg = load_config(environ=environ, overrides=ov)
@@ -357,7 +379,7 @@ def main() -> int:
             })
             if mix_info is not None:
                 runs[-1]["synth_sft"] = {**mix_info, "results": mix_res}
-    out = {"load_average": os.getloadavg(), "seeds": args.seeds, "budgets": args.budgets, "unseen": unseen_n,
+    out = {"load_average": os.getloadavg(), "seeds": args.seeds, "budgets": args.budgets, "unseen": unseen_n, "settings": args.settings,
            "max_new_tokens": args.max_new_tokens or d.PROFILES["cpu"]["config"]["gate"]["max_new_tokens"],
            "runs": runs, "pooled": {}, "total_s": round(time.perf_counter() - t_start, 1), "workdir": str(work)}
     for factor in args.budgets:

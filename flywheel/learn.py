@@ -375,7 +375,9 @@ def run_learning(
     except LookupError:
         regression = []
     real, _ = split_sources(env.tasks)
-    dev = dev_split(real, fraction=t.dev_fraction, min_items=t.dev_min_items, seed=t.seed)
+    # train.synthesis_in = "stream": nothing is chosen on dev, so no correction is held out for it
+    stream = t.synthesis_in == "stream" and "targeted" in t.arms and t.probe_tasks > 0
+    dev = set() if stream else dev_split(real, fraction=t.dev_fraction, min_items=t.dev_min_items, seed=t.seed)
     dev_tasks = [x for x in real if x["task_id"] in dev]
     train_real = _without(real, dev)
     real_demos = _demos(train_real, _without(regression, dev))
@@ -384,7 +386,11 @@ def run_learning(
     dev_info = {"items": len(dev_tasks), "clusters": len({_md(x).get("cluster") for x in dev_tasks}),
                 "train_real": len(train_real), "replay": len(regression)}
     arms_wanted = [a for a in ARMS if a in t.arms]
-    if not dev_tasks:
+    if stream:
+        arms_wanted = ["targeted"]
+        dev_info["note"] = ("train.synthesis_in = stream: no dev split and no trials; the probe-aimed synthesis "
+                            "joins the shipped data stream")
+    elif not dev_tasks:
         arms_wanted = ["control"]  # nothing to choose on: the control is what ships
         dev_info["note"] = "no dev split (too few train-side failures): only the control trains"
 
@@ -397,7 +403,8 @@ def run_learning(
     # no AdamW moments reset between phases).
     one_run = t.schedule == "one_run"
     total = fp_steps + t.arm_steps + t.continue_steps
-    schedule_info = {"mode": t.schedule, **({"total_steps": total} if one_run else {})}
+    schedule_info = {"mode": t.schedule, **({"total_steps": total} if one_run else {}),
+                     "synthesis_in": "stream" if stream else "trial"}
     clock = _Clock()
     first = train_sft(cfg, store, artifacts, tracker, real_demos, base=base, steps=fp_steps,
                       on_step=lambda s, m: say("learn", {"phase": "first pass", "step": s, "total": fp_steps,
@@ -414,6 +421,25 @@ def run_learning(
     if "targeted" in arms_wanted and t.probe_tasks > 0:
         probe_info = _probe_and_synthesize(cfg, tracker, first.model_version, train_real, synthesize, say)
         env = load_env(store, artifacts, cfg.cycle.train_env)
+
+    if stream:
+        arm, reg_check = _stream(cfg, store, artifacts, tracker, first, train_real, regression, env, say,
+                                 correlation_id=correlation_id, total=total if one_run else None)
+        first.optimizer_state = arm.optimizer_state = None
+        if arm.model_version is None or arm.model_entity is None:
+            raise TrainStageError(f"the shipped stream trained nothing: {arm.skipped}")
+        why = (f"train.synthesis_in = stream: the first-pass model continued {arm.steps} steps on the real corrections "
+               f"and {arm.detail.get('synthetic', 0)} synthetic tasks; no trial, no dev split")
+        if arm.name == "control":
+            why = "train.synthesis_in = stream, but no synthetic task was accepted: the control's stream ships"
+        tracker.set_alias(cfg.cycle.model_name, "challenger", arm.model_version)
+        result = LearnResult(learn_id=learn_id, model_version=arm.model_version, model_entity=arm.model_entity,
+                             chosen=arm.name, why=why, arms=[arm], first_pass=first_info, dev=dev_info, probe=probe_info,
+                             regression=reg_check, schedule=schedule_info)
+        result.wall_s, result.cpu_s = whole.done()
+        _record(cfg, store, tracker, result, correlation_id=correlation_id)
+        say("learn", {"status": "done", "chosen": arm.name, "model": arm.model_entity})
+        return result
 
     # 3. the first-pass model's own samples: sampled failures for RPO's pairs, groups for GRPO
     roll = None
@@ -518,6 +544,29 @@ def run_learning(
     _record(cfg, store, tracker, result, correlation_id=correlation_id)
     say("learn", {"status": "done", "chosen": chosen, "model": final_entity})
     return result
+
+
+def _stream(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker, first: Any,
+            train_real: list[dict], regression: list[dict], env: Any, say: Progress, *, correlation_id: str | None,
+            total: int | None) -> tuple[ArmResult, dict[str, Any] | None]:
+    """``train.synthesis_in = "stream"``: the first-pass model continues on the real corrections and the
+    probe-aimed synthesis for ``arm_steps + continue_steps`` steps (one schedule and optimizer with the
+    first pass under ``one_run``), after the regression check of the first-pass model; the control's
+    data when the synthesis accepted nothing. Returns the arm that ships and the regression check."""
+    t = cfg.train
+    steps = t.arm_steps + t.continue_steps
+    checked = ArmResult("targeted", model_version=first.model_version, model_entity=first.model_entity)
+    reg_check, repair_demos = _regression_check(cfg, tracker, checked, regression, say)
+    resume = (first.steps, total, first.optimizer_state) if total is not None else None
+    arm = _train_arm("targeted", cfg, store, artifacts, tracker, first.model_entity, train_real, regression, env, set(),
+                     say, correlation_id=correlation_id, steps=steps, budget_cpu_s=None, phase="stream",
+                     repair_demos=repair_demos, resume=resume)
+    if arm.skipped is not None:  # no synthetic task: the same steps of plain SFT, the control's stream
+        arm = _train_arm("control", cfg, store, artifacts, tracker, first.model_entity, train_real, regression, env,
+                         set(), say, correlation_id=correlation_id, steps=steps, start_step=first.steps,
+                         budget_cpu_s=None, phase="stream", repair_demos=repair_demos, resume=resume)
+    arm.detail["phase"] = "stream"
+    return arm, reg_check
 
 
 def _regression_check(cfg: FlywheelConfig, tracker: Tracker, winner: ArmResult, regression: Sequence[dict],

@@ -191,6 +191,16 @@ class TrainConfig(_Section):
         "fold-in; a shipped control is then plain SFT, one run. per_phase: every phase restarts the schedule and "
         "the optimizer (the earlier behaviour). RPO and GRPO arms always start their own.",
     )
+    synthesis_in: Literal["trial", "stream"] = Field(
+        "trial", description="mode = arms, with the targeted arm and a probe: where the probe-aimed synthesis goes. "
+        "trial -- the targeted arm trains a trial of arm_steps against the control's and ships only if it beats "
+        "the control on the dev split. stream -- no trials and no dev split: every real correction trains in the "
+        "first pass, and the synthesis joins the shipped data stream as soon as it exists (the first-pass model "
+        "continues on real + synthetic for arm_steps + continue_steps steps of the same schedule). It spends no "
+        "CPU-seconds on a losing trial or on decoding dev items, and gives up the dev check: only the gate "
+        "stands between it and the champion. Falls back to the control's stream when no synthetic task is "
+        "accepted.",
+    )
     dev_fold_in: bool = Field(
         True, description="mode = arms: after the choice, train the dev items' corrections into the shipped model "
         "(ceil(dev / batch_size) steps), so no correction is lost to the dev split.",

@@ -36,3 +36,14 @@ def test_the_peer_is_sized_from_the_cheapest_plain_sft_phase_not_one_slowed_by_o
     assert peer_cpu_per_step(learn) == (pytest.approx(594.9 / 11), "first pass")
     with pytest.raises(ValueError, match="no SFT phase"):
         peer_cpu_per_step({"first_pass": {"steps": 0, "cpu_s": 0.0}})
+
+
+def test_set_reads_a_section_key_and_a_json_or_string_value_and_refuses_anything_else():
+    """--set train.synthesis_in=stream runs the flywheel's cycle with that override (the peers are untouched)."""
+    setting = _bench()._setting
+    assert setting("train.synthesis_in=stream") == ("train", "synthesis_in", "stream")
+    assert setting("train.continue_steps=20") == ("train", "continue_steps", 20)
+    assert setting("train.arms=[\"control\", \"targeted\"]") == ("train", "arms", ["control", "targeted"])
+    for bad in ("train.synthesis_in", "synthesis_in=stream", ".x=1", "train.=1"):
+        with pytest.raises(ValueError, match="SECTION.KEY=VALUE"):
+            setting(bad)

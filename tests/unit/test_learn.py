@@ -335,6 +335,100 @@ def test_the_stage_scores_the_dev_loss_of_tied_trials_only_and_ships_the_lower(c
     assert scored_loss == [] and r.chosen == "control"
 
 
+def test_synthesis_in_stream_ships_the_first_pass_continued_on_real_and_synthetic_without_trials(cfg, store, monkeypatch):
+    """train.synthesis_in = stream: no dev split (every real correction trains in the first pass), no trials
+    and no dev decoding; after the probe the first-pass model continues on real + synthetic for
+    arm_steps + continue_steps steps of the same schedule and optimizer, with the regression repairs, and
+    that model ships. Without an accepted synthetic task the same steps are the control's stream."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import flywheel.learn as learn
+    import flywheel.train.stage as stage
+    import flywheel.versioning as versioning
+
+    cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control", "targeted", "rpo"], 8
+    cfg.train.synthesis_in = "stream"
+    cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.dev_min_items, cfg.train.batch_size = 2, 3, 2, 4
+    real = [{**_regression_task(100 + i), "task_id": f"eval:{i}",
+             "metadata": {"cluster": f"c{i}", "split": "train", "origin_outcome": "failure"}} for i in range(12)]
+    synth = [{**_regression_task(200 + i), "task_id": f"synth:{i}",
+              "metadata": {"cluster": "c0", "split": "train", "synth_batch": "synth:b", "origin_outcome": "synthetic"}}
+             for i in range(4)]
+    regression = [_regression_task(i) for i in range(3)]
+    env_tasks = real + synth
+    monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=env_tasks))
+    monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=regression))
+    calls: list[dict] = []
+
+    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False,
+                 extra_demonstrations=(), schedule=None, optimizer_state=None, **kw):
+        calls.append({"ids": [d.source_entity_id for d in demos], "steps": steps, "base": base, "schedule": schedule,
+                      "resumed": optimizer_state, "extra": [d.source_entity_id for d in extra_demonstrations]})
+        v = len(calls) + 1
+        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
+                               steps=steps, metrics={}, history=[],
+                               optimizer_state={"from": v} if keep_optimizer_state else None)
+
+    scored: list[tuple[int, list[str]]] = []
+
+    def fake_score(cfg, tracker, version, tasks):
+        scored.append((version, [t["task_id"] for t in tasks]))
+        passed = [t["task_id"] for t in tasks if t["task_id"] != "eval:r1"]
+        return len(passed), passed, 0.5
+
+    probed: list[int] = []
+
+    def fake_probe(cfg, tracker, version, train_real, synthesize, say):
+        probed.append(len(train_real))
+        return {"tasks": 8, "counts": {"wrong_value": 3}, "plan": {"schema_values": 4}}
+
+    class Tracker:
+        def set_alias(self, *a):
+            pass
+
+        @contextlib.contextmanager
+        def run(self, *a, **kw):
+            yield SimpleNamespace(log_params=lambda *a, **k: None, log_metrics=lambda *a, **k: None)
+
+    monkeypatch.setattr(stage, "train_sft", fake_sft)
+    monkeypatch.setattr(learn, "_dev_score", fake_score)
+    monkeypatch.setattr(learn, "_probe_and_synthesize", fake_probe)
+    monkeypatch.setattr("flywheel.rollouts.run_rollouts", lambda *a, **k: pytest.fail("stream mode samples no rollouts"))
+    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    first, shipped = calls  # two trainings: the first pass and the stream, nothing else
+    real_ids = [t["task_id"] for t in real]
+    assert set(real_ids) <= set(first["ids"]) and not any(i.startswith("synth:") for i in first["ids"])
+    assert probed == [12]  # the probe sees every real correction: none is held out for dev
+    fp_steps = first["steps"]
+    assert first["schedule"] == (0, fp_steps + 5)
+    assert shipped["base"] == "model:policy/2" and shipped["steps"] == 5
+    assert sorted(shipped["ids"]) == sorted(first["ids"] + ["synth:b"] * 4)  # synthetic demos name their batch
+    assert shipped["schedule"] == (fp_steps, fp_steps + 5) and shipped["resumed"] == {"from": 2}
+    assert shipped["extra"] == ["eval:r1", "eval:r1"]  # the first-pass model failed it: repaired in the stream
+    # one decoding pass only: the first-pass model on the regression items; no dev items are decoded
+    assert [(v, sorted(ids)) for v, ids in scored] == [(2, ["eval:r0", "eval:r1", "eval:r2"])]
+    assert r.chosen == "targeted" and r.model_version == 3 and r.continuation is None and r.fold_in is None
+    assert [a.name for a in r.arms] == ["targeted"] and r.arms[0].detail["synthetic"] == 4
+    assert r.dev["items"] == 0 and "synthesis_in = stream" in r.why and r.schedule["synthesis_in"] == "stream"
+    (ev,) = store.read(stream=r.learn_id, types="learning.decided")
+    assert ev.payload["chosen"] == "targeted" and ev.payload["regression"]["failed"] == ["eval:r1"]
+    # no synthetic task accepted: the same steps of the control's stream ship
+    calls.clear()
+    env_tasks = list(real)
+    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    first, shipped = calls
+    assert r.chosen == "control" and shipped["steps"] == 5 and sorted(shipped["ids"]) == sorted(first["ids"])
+    assert "no synthetic task was accepted" in r.why
+    # the default keeps trials and the dev split
+    calls.clear()
+    cfg.train.synthesis_in, cfg.train.arms = "trial", ["control", "targeted"]
+    env_tasks = real + synth
+    monkeypatch.setattr(learn, "_dev_loss", lambda cfg, tracker, version, tasks: 0.5)
+    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    assert len(calls) == 4 and r.dev["items"] >= 2 and [a.name for a in r.arms] == ["control", "targeted"]
+
+
 def test_the_cycle_report_shows_the_regression_check_and_what_it_failed():
     from flywheel.report import learning_table
 
