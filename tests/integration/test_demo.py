@@ -76,7 +76,7 @@ def test_each_cycle_runs_every_stage_and_says_why_the_champion_stays(demo_run):
         # train.schedule = one_run: first pass, trial and continuation are one schedule with one optimizer;
         # an SFT arm's continuation takes the dev corrections, an RPO/GRPO one is followed by the fold-in
         fp = learn["first_pass"]["steps"]
-        assert learn["schedule"] == {"mode": "one_run", "total_steps": fp + 1 + 1}
+        assert learn["schedule"] == {"mode": "one_run", "total_steps": fp + 1 + 1, "synthesis_in": "trial"}
         assert arms["control"]["detail"]["schedule"] == {"offset": fp, "total": fp + 2, "resumed_optimizer": True}
         if learn["chosen"] in ("control", "targeted"):
             assert cont["detail"]["schedule"] == {"offset": fp + arms[learn["chosen"]]["steps"], "total": fp + 2,
