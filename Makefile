@@ -49,11 +49,17 @@ $(OTEL23_STAMP): tests/integration/requirements-otel23.txt | $(STAMP)
 demo: setup
 	$(BIN)/flywheel demo
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), one per core up to 4 (each may hold a model),
+# whole test files per worker so a module's fixtures (a demo run, a server) start once.
+# `make test TEST_WORKERS=1` runs it in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+PYTEST_PARALLEL = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
+
 test: setup $(OTEL23_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 test-fast: setup $(OTEL23_STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL)
 
 # ruff, the import contracts (pyproject's [tool.importlinter], via tests/unit/test_layers.py) and mypy
 # (mypy.ini) against .ci/mypy-baseline.txt, which may only shrink. mypy caches in .mypy_cache: 1.5-2.5 min cold

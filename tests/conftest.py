@@ -16,6 +16,14 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 # Prefect's own home (the temporary server's database) stays out of ~/.prefect during tests.
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="flywheel-test-prefect-"))
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+# Under pytest-xdist (`make test`) every worker is a process of its own: its torch and BLAS get the cores
+# divided by the workers, not every core each (two workers x two threads on two cores spin against each
+# other). Set before torch is imported; a variable the caller set wins.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if _workers > 1:
+    _threads = str(max(1, (os.cpu_count() or 1) // _workers))
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, _threads)
 
 
 def _cuda_available() -> bool:

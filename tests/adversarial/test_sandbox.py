@@ -395,14 +395,31 @@ def _is_recent_other_run(name: str) -> bool:
 
 
 def _leftover_sandbox_processes() -> list[str]:
+    """Sandbox processes (uids 200000-299999) alive now, except those of another pytest-xdist worker of
+    this run (`make test` runs files in parallel: a sibling worker's sandbox is running, not left over).
+    A process this worker leaked is ours or an orphan, never below a sibling."""
     me = os.getpid()
-    out = subprocess.run(["ps", "-eo", "pid=,uid=,args="], capture_output=True, text=True).stdout
-    rows = []
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,uid=,args="], capture_output=True, text=True).stdout
+    procs: dict[int, tuple[int, int, str]] = {}
     for line in out.splitlines():
-        parts = line.split(None, 2)
-        if len(parts) == 3 and 200_000 <= int(parts[1]) < 300_000 and int(parts[0]) != me:
-            rows.append(line)
-    return rows
+        parts = line.split(None, 3)
+        if len(parts) >= 3:
+            procs[int(parts[0])] = (int(parts[1]), int(parts[2]), line)
+    parent = procs.get(me, (0, 0, ""))[0]
+    siblings = {pid for pid, (ppid, _, _) in procs.items()
+                if os.environ.get("PYTEST_XDIST_WORKER") and ppid == parent and pid != me and parent > 1}
+
+    def below_a_sibling(pid: int) -> bool:
+        seen = set()
+        while pid in procs and pid not in seen and pid > 1:
+            seen.add(pid)
+            if pid in siblings:
+                return True
+            pid = procs[pid][0]
+        return False
+
+    return [line for pid, (_, uid, line) in procs.items()
+            if 200_000 <= uid < 300_000 and pid != me and not below_a_sibling(pid)]
 
 
 def _disk_free() -> int:

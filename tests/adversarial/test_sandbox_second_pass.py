@@ -171,6 +171,8 @@ def test_sandbox_works_when_the_project_and_its_venv_live_under_tmp():
                             ("site", sb.run_python_tests(good, io, cfg, site_packages=True)),
                             ("shell", sb.run_shell("echo hi > out", "python -c 'print(1)' && grep -q hi $WORK/out", cfg))):
                 out[name] = [r.passed, r.infra_error]
+                out[name + " why"] = {"per_test": r.per_test, "killed": r.killed_reason, "s": r.duration_s,
+                                      "stdout": r.stdout[-400:], "stderr": r.stderr[-400:]}
             print(json.dumps(out))
             """
         )
@@ -179,7 +181,7 @@ def test_sandbox_works_when_the_project_and_its_venv_live_under_tmp():
         out = json.loads(p.stdout.strip().splitlines()[-1])
         assert out["file"].startswith(str(tmp)), out["file"]
         for name in ("io", "free", "site", "shell"):
-            assert out[name] == [True, None], (name, out[name])
+            assert out[name] == [True, None], (name, out[name], out[name + " why"])
         assert out["report"] == ""
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
