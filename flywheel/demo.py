@@ -396,6 +396,10 @@ def _trained_how(cycle: dict[str, Any], version: int, name: str) -> str:
         replay = int((learn.get("dev") or {}).get("replay") or 0)
         data = (f"{fp.get('demonstrations')} demonstrations, {replay} of them replayed successes" if replay
                 else f"{fp.get('demonstrations')} corrections")
+        if (arm.get("detail") or {}).get("phase") == "stream":  # train.synthesis_in = stream: no trial, no dev
+            synth = (arm.get("detail") or {}).get("synthetic")
+            joined = f", {synth} synthetic tasks joined" if synth else ", no synthetic task: plain SFT"
+            return f"SFT pass ({fp.get('steps')} steps, {data}) + {arm.get('steps')} more{joined}{rep}"
         return (f"SFT pass ({fp.get('steps')} steps, {data}) + "
                 f"{learn.get('chosen')} arm ({arm.get('steps')} steps{cont}{dev}){fold}")
     parts = []

@@ -453,3 +453,9 @@ def test_the_scoreboard_says_which_first_pass_demonstrations_were_replayed_succe
     assert "121 demonstrations, 14 of them replayed successes" in text and "3 regression items repeated" in text
     assert "(16 steps, 81 corrections)" in _trained_how(
         {"stages": {"learn": {**learn, "first_pass": {"steps": 16, "demonstrations": 81}, "dev": {"replay": 0}}}}, 9, "policy")
+    # train.synthesis_in = stream: one continued stream, no trial, no dev score
+    stream = {"model_version": 3, "chosen": "targeted", "first_pass": {"steps": 12, "demonstrations": 96},
+              "dev": {"replay": 0, "items": 0}, "continuation": None, "regression": {"failed": ["eval:a"]},
+              "arms": [{"name": "targeted", "steps": 18, "dev_items": 0, "detail": {"phase": "stream", "synthetic": 72}}]}
+    assert _trained_how({"stages": {"learn": stream}}, 3, "policy") == (
+        "SFT pass (12 steps, 96 corrections) + 18 more, 72 synthetic tasks joined, 1 regression items repeated")
