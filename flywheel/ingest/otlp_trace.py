@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from flywheel.ingest.otlp_decode import LogRec, Problem, _json_attr, _nanos, attrs, norm_id
+from flywheel.ingest.otlp_decode import BadValue, LogRec, Problem, _json_attr, _nanos, attrs, norm_id
 from flywheel.ingest.otlp_messages import (
     _EVENT_ROLE,
     _choice_message,
@@ -256,7 +256,10 @@ def to_trace(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any], str]],
     if feedback is not None:
         outcome["feedback"] = feedback
     start = keyed[0][0]
-    ts = datetime.fromtimestamp(start / 1e9, UTC).isoformat().replace("+00:00", "Z")
+    try:
+        ts = datetime.fromtimestamp(start / 1e9, UTC).isoformat().replace("+00:00", "Z")
+    except (OverflowError, OSError, ValueError):  # beyond time_t or year 9999: not a time a span was made at
+        raise BadValue(f"startTimeUnixNano {start} is not a representable time") from None
     res = parsed[0][2]
     la = last.attrs
     model = la.get("gen_ai.request.model") or la.get("gen_ai.response.model") or la.get("llm.model_name")

@@ -156,6 +156,25 @@ def test_any_shape_of_span_or_record_is_quarantined_never_raised():
     check()
 
 
+def test_a_start_time_beyond_any_date_is_quarantined_with_the_reason():
+    """Found by the property test above: startTimeUnixNano 67768036191676798846631937 raised OverflowError
+    ("timestamp out of range for platform time_t") out of the reader instead of quarantining the trace."""
+    from flywheel.ingest.otlp import Assembler
+
+    class L:
+        lineno = 1
+
+    for start in (67768036191676798846631937, 10**30):
+        span = chat_span(tid_of(9), "d1d2d3d4d5d6d7d8")
+        span["attributes"].append(kv("gen_ai.input.messages", json.dumps([{"role": "user", "content": "hi"}])))
+        span = {**span, "startTimeUnixNano": start}
+        a = Assembler(None, [], 1 << 20)
+        a.feed(json.loads(spans_line([span])), L)
+        (tid,) = a.remaining()
+        rec, prob, _ = a.take(tid)
+        assert rec is None and prob[0] == "otel_bad_value" and str(start) in prob[1], prob
+
+
 def test_array_and_kvlist_values_that_are_not_lists_read_as_empty():
     """Found by the property test above: ``{"arrayValue": {"values": true}}`` raised TypeError."""
     from flywheel.ingest.otlp_decode import any_value
