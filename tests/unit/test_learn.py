@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 
 from flywheel.learn import ArmResult, _without, choose_arm, dev_split, split_sources
 from flywheel.vocab.ids import digest
+
+
+class _QuietTracker:
+    """The tracker of the stage's wiring tests (training and scoring replaced by recorders): aliases go
+    nowhere, a run's metrics go to ``logged``."""
+
+    def __init__(self, logged: dict | None = None) -> None:
+        self.logged = {} if logged is None else logged
+
+    def set_alias(self, *a) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def run(self, *a, **kw):
+        yield SimpleNamespace(log_params=lambda *a, **k: None, log_metrics=lambda m, **k: self.logged.update(m))
 
 
 def _task(i: int, cluster: str, *, outcome: str = "failure", split: str = "train", **md) -> dict:
@@ -220,7 +238,6 @@ def test_the_stage_checks_the_chosen_trial_on_the_regression_suite_and_repairs_i
     """The wiring of the check through run_learning, with training and decoding replaced by recorders: the
     continuation's demonstrations hold the failed regression item twice more, the items passed once (the
     replay every phase has), and learning.decided records the check."""
-    import contextlib
     from types import SimpleNamespace
 
     import flywheel.learn as learn
@@ -249,17 +266,9 @@ def test_the_stage_checks_the_chosen_trial_on_the_regression_suite_and_repairs_i
         passed = [t["task_id"] for t in tasks if t["task_id"] != "eval:r1"]
         return len(passed), passed, 0.5
 
-    class Tracker:
-        def set_alias(self, *a):
-            pass
-
-        @contextlib.contextmanager
-        def run(self, *a, **kw):
-            yield SimpleNamespace(log_params=lambda *a, **k: None, log_metrics=lambda *a, **k: None)
-
     monkeypatch.setattr(stage, "train_sft", fake_sft)
     monkeypatch.setattr(learn, "_dev_score", fake_score)
-    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
     first, trial, cont = trained
     assert first == trial == cont  # the data stream itself is the same in every phase: plain SFT's
     assert cont.count("eval:r1") == 1 and extras[:2] == [[], []]
@@ -277,7 +286,6 @@ def test_the_stage_scores_the_dev_loss_of_tied_trials_only_and_ships_the_lower(c
     """The wiring through run_learning, training and scoring replaced by recorders: two trials with the same
     greedy dev score get their dev loss scored (nothing else does), the lower one continues and ships, and
     learning.decided and the MLflow metrics carry the losses."""
-    import contextlib
     from types import SimpleNamespace
 
     import flywheel.learn as learn
@@ -309,18 +317,10 @@ def test_the_stage_scores_the_dev_loss_of_tied_trials_only_and_ships_the_lower(c
 
     logged: dict = {}
 
-    class Tracker:
-        def set_alias(self, *a):
-            pass
-
-        @contextlib.contextmanager
-        def run(self, *a, **kw):
-            yield SimpleNamespace(log_params=lambda *a, **k: None, log_metrics=lambda m, **k: logged.update(m))
-
     monkeypatch.setattr(stage, "train_sft", fake_sft)
     monkeypatch.setattr(learn, "_dev_score", lambda cfg, tracker, version, tasks: (1, [tasks[0]["task_id"]], 0.6))
     monkeypatch.setattr(learn, "_dev_loss", fake_loss)
-    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    r = learn.run_learning(cfg, store, None, _QuietTracker(logged), base="tiny")
     assert sorted(scored_loss) == [3, 4]
     assert r.chosen == "targeted" and "0.4700 against 0.5200" in r.why
     assert bases[-1] == "model:policy/4"  # the continuation starts from the targeted trial
@@ -331,7 +331,7 @@ def test_the_stage_scores_the_dev_loss_of_tied_trials_only_and_ships_the_lower(c
     scored_loss.clear()
     bases.clear()
     monkeypatch.setattr(learn, "_dev_score", lambda cfg, tracker, version, tasks: (1 if version == 3 else 0, [], 0.6))
-    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
     assert scored_loss == [] and r.chosen == "control"
 
 
@@ -340,7 +340,6 @@ def test_synthesis_in_stream_ships_the_first_pass_continued_on_real_and_syntheti
     and no dev decoding; after the probe the first-pass model continues on real + synthetic for
     arm_steps + continue_steps steps of the same schedule and optimizer, with the regression repairs, and
     that model ships. Without an accepted synthetic task the same steps are the control's stream."""
-    import contextlib
     from types import SimpleNamespace
 
     import flywheel.learn as learn
@@ -383,19 +382,11 @@ def test_synthesis_in_stream_ships_the_first_pass_continued_on_real_and_syntheti
         probed.append(len(train_real))
         return {"tasks": 8, "counts": {"wrong_value": 3}, "plan": {"schema_values": 4}}
 
-    class Tracker:
-        def set_alias(self, *a):
-            pass
-
-        @contextlib.contextmanager
-        def run(self, *a, **kw):
-            yield SimpleNamespace(log_params=lambda *a, **k: None, log_metrics=lambda *a, **k: None)
-
     monkeypatch.setattr(stage, "train_sft", fake_sft)
     monkeypatch.setattr(learn, "_dev_score", fake_score)
     monkeypatch.setattr(learn, "_probe_and_synthesize", fake_probe)
     monkeypatch.setattr("flywheel.rollouts.run_rollouts", lambda *a, **k: pytest.fail("stream mode samples no rollouts"))
-    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
     first, shipped = calls  # two trainings: the first pass and the stream, nothing else
     real_ids = [t["task_id"] for t in real]
     assert set(real_ids) <= set(first["ids"]) and not any(i.startswith("synth:") for i in first["ids"])
@@ -416,7 +407,7 @@ def test_synthesis_in_stream_ships_the_first_pass_continued_on_real_and_syntheti
     # no synthetic task accepted: the same steps of the control's stream ship
     calls.clear()
     env_tasks = list(real)
-    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
     first, shipped = calls
     assert r.chosen == "control" and shipped["steps"] == 5 and sorted(shipped["ids"]) == sorted(first["ids"])
     assert "no synthetic task was accepted" in r.why
@@ -425,7 +416,7 @@ def test_synthesis_in_stream_ships_the_first_pass_continued_on_real_and_syntheti
     cfg.train.synthesis_in, cfg.train.arms = "trial", ["control", "targeted"]
     env_tasks = real + synth
     monkeypatch.setattr(learn, "_dev_loss", lambda cfg, tracker, version, tasks: 0.5)
-    r = learn.run_learning(cfg, store, None, Tracker(), base="tiny")
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
     assert len(calls) == 4 and r.dev["items"] >= 2 and [a.name for a in r.arms] == ["control", "targeted"]
 
 
