@@ -383,7 +383,7 @@ def run_learning(
     real_demos = _demos(train_real, _without(regression, dev))
     if not real_demos:
         raise TrainStageError("the learning stage has no demonstrations: no train-side task has a reference answer")
-    dev_info = {"items": len(dev_tasks), "clusters": len({_md(x).get("cluster") for x in dev_tasks}),
+    dev_info: dict[str, Any] = {"items": len(dev_tasks), "clusters": len({_md(x).get("cluster") for x in dev_tasks}),
                 "train_real": len(train_real), "replay": len(regression)}
     arms_wanted = [a for a in ARMS if a in t.arms]
     if stream:
@@ -423,7 +423,7 @@ def run_learning(
         env = load_env(store, artifacts, cfg.cycle.train_env)
 
     if stream:
-        arm, reg_check = _stream(cfg, store, artifacts, tracker, first, train_real, regression, env, say,
+        arm, stream_check = _stream(cfg, store, artifacts, tracker, first, train_real, regression, env, say,
                                  correlation_id=correlation_id, total=total if one_run else None)
         first.optimizer_state = arm.optimizer_state = None
         if arm.model_version is None or arm.model_entity is None:
@@ -435,7 +435,7 @@ def run_learning(
         tracker.set_alias(cfg.cycle.model_name, "challenger", arm.model_version)
         result = LearnResult(learn_id=learn_id, model_version=arm.model_version, model_entity=arm.model_entity,
                              chosen=arm.name, why=why, arms=[arm], first_pass=first_info, dev=dev_info, probe=probe_info,
-                             regression=reg_check, schedule=schedule_info)
+                             regression=stream_check, schedule=schedule_info)
         result.wall_s, result.cpu_s = whole.done()
         _record(cfg, store, tracker, result, correlation_id=correlation_id)
         say("learn", {"status": "done", "chosen": arm.name, "model": arm.model_entity})
