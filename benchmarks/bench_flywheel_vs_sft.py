@@ -33,6 +33,9 @@ draws in which the flywheel is not ahead.
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --synth-peer
     # (a) already run: a home where the demo's wave 1 and cycle 1 ran (same seed), 1x only
     .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --cycle-home .flywheel --seed 0
+    # two turns: the demo's cycle-2 model against plain SFT on both waves' corrections, for the CPU-seconds
+    # of both learning stages (the peer's model is registered in that home)
+    .venv/bin/python benchmarks/bench_flywheel_vs_sft.py --cycles-home .flywheel
 
 Measured figures: benchmarks/README.md.
 """
@@ -119,6 +122,73 @@ def peer_cpu_per_step(learn: dict[str, Any]) -> tuple[float, str]:
     if not rates:
         raise ValueError("the learning stage recorded no SFT phase with steps and CPU-seconds: cannot size plain SFT")
     return min(rates)
+
+
+def cycles_budget(cycles: list[dict[str, Any]]) -> dict[str, Any]:
+    """For ``--cycles-home``: from a home's ``cycle.completed`` payloads (oldest first), the flywheel's model
+    after its last turn and the plain-SFT peer's budget -- the process CPU-seconds of every cycle's learning
+    stage together (the flywheel spent them all to reach that model), in steps at the cheapest plain-SFT
+    rate any of those stages measured (:func:`peer_cpu_per_step`)."""
+    learned = [c for c in cycles if (c.get("stages") or {}).get("learn")]
+    if len(learned) < 2:
+        raise ValueError(f"{len(learned)} completed cycle(s) with a learning stage there: --cycles-home needs two or "
+                         "more (a home where `flywheel demo` ran, whose cpu profile turns twice)")
+    learns = [c["stages"]["learn"] for c in learned]
+    spent = [float(x.get("cpu_s") or 0.0) for x in learns]
+    if min(spent) <= 0:
+        raise ValueError(f"a learning stage recorded no CPU-seconds ({spent}): cannot size plain SFT")
+    rates = [(*peer_cpu_per_step(x), i) for i, x in enumerate(learns, 1)]
+    rate, source, turn = min(rates)
+    budget = sum(spent)
+    return {"cycles": len(learned), "learn_cpu_s": spent, "budget_cpu": budget, "cpu_per_step": rate,
+            "sized_from": f"cycle {turn}: {source}", "steps": max(1, int(budget // rate)),
+            "model_version": int(learns[-1]["model_version"]), "gates": [c.get("outcome") for c in learned],
+            "chosen": learns[-1].get("chosen"), "why": learns[-1].get("why")}
+
+
+def run_cycles_home(args: Any, cfg: Any, unseen: Any, log: Any) -> dict[str, Any]:
+    """``--cycles-home``: the flywheel's model after its last turn against plain SFT of the base model on
+    every wave's corrections (the home's newest train suite) for the CPU-seconds of all its learning
+    stages; both scored on the newest held-out suite and the unseen questions."""
+    from flywheel.artifacts import open_artifacts
+    from flywheel.store import open_store
+    from flywheel.tracking import Tracker
+    from flywheel.train.demos import demonstrations_from_tasks
+    from flywheel.train.stage import train_sft
+    from flywheel.versioning import load_suite
+
+    tracker = Tracker(cfg)
+    with open_store(cfg) as store:
+        cycles = [e.payload for e in store.read(types=["cycle.completed"])]
+        plan = cycles_budget(cycles)
+        artifacts = open_artifacts(cfg)
+        train_suite = load_suite(store, artifacts, "train")
+        demos = demonstrations_from_tasks(train_suite.tasks)
+        log(f"cycles home: plain SFT, {plan['steps']} steps on {len(demos)} corrections ({train_suite.entity_id}) "
+            f"within the {plan['budget_cpu']:.0f} CPU-s of {plan['cycles']} learning stages …")
+        c0, t0 = time.process_time(), time.perf_counter()
+        sft = train_sft(cfg, store, artifacts, tracker, demos, base=cfg.policy.base_model, steps=plan["steps"],
+                        budget_cpu_s=plan["budget_cpu"])
+        sft_cpu, sft_wall = time.process_time() - c0, time.perf_counter() - t0
+        heldout = load_suite(store, artifacts, cfg.cycle.heldout_suite)
+        log(f"cycles home: scoring on {heldout.entity_id} and {len(unseen.tasks)} unseen questions …")
+        res = {}
+        for label, suite in (("heldout", heldout), ("unseen", unseen)):
+            a = score(cfg, store, artifacts, tracker, plan["model_version"], suite)
+            b = score(cfg, store, artifacts, tracker, sft.model_version, suite)
+            res[label] = {"suite": suite.entity_id, **compare(a, b),
+                          "per_item": {i: (a[i], b[i]) for i in sorted(set(a) & set(b))}}
+    return {
+        "seed": args.seeds[0], "budget": 1.0, "home": str(cfg.home),
+        "flywheel": {"model": f"model:{cfg.cycle.model_name}/{plan['model_version']}", "learn_cpu_s": plan["budget_cpu"],
+                     "cycles": plan["cycles"], "learn_cpu_s_per_cycle": plan["learn_cpu_s"], "gates": plan["gates"],
+                     "chosen": plan["chosen"], "why": plan["why"]},
+        "plain_sft": {"model": f"model:{cfg.cycle.model_name}/{sft.model_version}", "steps": sft.steps,
+                      "planned_steps": plan["steps"], "cpu_per_step": round(plan["cpu_per_step"], 2),
+                      "sized_from": plan["sized_from"], "cpu_s": round(sft_cpu, 1), "wall_s": round(sft_wall, 1),
+                      "demonstrations": len(demos), "train_suite": train_suite.entity_id},
+        "results": res,
+    }
 
 
 def _chars(d: Any) -> int:
@@ -229,6 +299,10 @@ def main() -> int:
     ap.add_argument("--unseen", type=int, default=400, help="unseen BFCL questions to score on")
     ap.add_argument("--cycle-home", help="reuse (a): a home where wave 1 and cycle 1 already ran (its last "
                     "cycle.completed event gives the stages); 1x and --seed must match that run")
+    ap.add_argument("--cycles-home", help="a home where two or more cycles ran (`flywheel demo`'s): its last cycle's "
+                    "model against plain SFT of the base model on every wave's corrections, for the CPU-seconds of "
+                    "all its learning stages together (the peer's model is registered in that home, as with "
+                    "--cycle-home)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the whole result, per-item verdicts included, to this JSON file")
     ap.add_argument("--max-new-tokens", type=int,
@@ -263,6 +337,12 @@ def main() -> int:
     base_home = Path(args.cycle_home).resolve() if args.cycle_home else work / "wave1"
     if args.cycle_home and not (base_home / "warehouse.duckdb").is_file():
         ap.error(f"--cycle-home {base_home}: no warehouse.duckdb there")
+    if args.cycles_home:
+        if args.cycle_home or args.budgets != [1.0] or len(args.seeds) != 1 or args.synth_peer or args.settings:
+            ap.error("--cycles-home compares what already ran: one seed, 1x, no --cycle-home, --synth-peer or --set")
+        base_home = Path(args.cycles_home).resolve()
+        if not (base_home / "warehouse.duckdb").is_file():
+            ap.error(f"--cycles-home {base_home}: no warehouse.duckdb there")
     for k, v in prefect_environment(base_home).items():  # the embedded default, before prefect is imported
         os.environ.setdefault(k, v)
     from flywheel.flows.cycle import run_cycle
@@ -286,7 +366,7 @@ def main() -> int:
     # wave 1 once: the base model answers greedily, so every run learns from the same traffic
     ov0 = d.demo_overrides("cpu", base_home)
     cfg0 = load_config(environ=environ, overrides=ov0)
-    if not args.cycle_home and not ((base_home / "inbox").is_dir() and any((base_home / "inbox").iterdir())):
+    if not (args.cycle_home or args.cycles_home) and not ((base_home / "inbox").is_dir() and any((base_home / "inbox").iterdir())):
         cfg0.ensure_home()
         with open_store(cfg0) as store:
             open_artifacts(cfg0)
@@ -297,7 +377,15 @@ def main() -> int:
     unseen = unseen_suite(asked, unseen_n)
 
     runs: list[dict[str, Any]] = []
-    for seed in args.seeds:
+    if args.cycles_home:
+        ov = d.demo_overrides("cpu", base_home, args.seeds[0])
+        if args.max_new_tokens:
+            ov["gate"]["max_new_tokens"] = ov["rollout"]["max_new_tokens"] = args.max_new_tokens
+        try:
+            runs.append(run_cycles_home(args, load_config(environ=environ, overrides=ov), unseen, log))
+        except ValueError as e:
+            ap.error(f"--cycles-home {args.cycles_home}: {e}")
+    for seed in args.seeds if not args.cycles_home else []:
         for factor in args.budgets:
             if args.cycle_home:
                 home = base_home
@@ -404,7 +492,8 @@ def main() -> int:
         f, p = r["flywheel"], r["plain_sft"]
         cut = (f" of {p['planned_steps']} planned: the CPU budget stopped it before its schedule decayed"
                if p.get("planned_steps") and p["steps"] < p["planned_steps"] else "")
-        print(f"  seed {r['seed']} x{r['budget']:g}: flywheel {f['model']} ({f['chosen']} shipped; learning "
+        turns = (f"after {f['cycles']} cycles, gates {' / '.join(map(str, f['gates']))}; " if f.get("cycles") else "")
+        print(f"  seed {r['seed']} x{r['budget']:g}: flywheel {f['model']} ({turns}{f['chosen']} shipped; learning "
               f"{f['learn_cpu_s']:.0f} CPU-s)  vs  plain SFT {p['model']} ({p['steps']} steps{cut}, {p['cpu_s']:.0f} "
               f"CPU-s, {p['demonstrations']} corrections)")
         for label, x in r["results"].items():

@@ -47,3 +47,32 @@ def test_set_reads_a_section_key_and_a_json_or_string_value_and_refuses_anything
     for bad in ("train.synthesis_in", "synthesis_in=stream", ".x=1", "train.=1"):
         with pytest.raises(ValueError, match="SECTION.KEY=VALUE"):
             setting(bad)
+
+
+def test_cycles_home_gives_plain_sft_every_learning_stage_s_cpu_seconds_and_compares_the_last_turn_s_model():
+    """--cycles-home (issue 30's two-cycle case): the demo's cycle-2 model against plain SFT of the base model
+    on both waves' corrections. The flywheel spent both learning stages to reach that model, so the peer gets
+    their CPU-seconds together, in steps at the cheapest plain-SFT rate either stage measured. Figures: the
+    demo at d114e55 (cycle 1: 916 CPU-s, first pass 12 steps in 316; cycle 2: 1,238, first pass 18 in 491)."""
+    cycles_budget = _bench().cycles_budget
+    c1 = {"outcome": "promoted", "stages": {"learn": {"cpu_s": 916.0, "model_version": 3, "chosen": "targeted",
+                                                      "first_pass": {"steps": 12, "cpu_s": 316.0}}}}
+    skipped = {"outcome": "skipped", "stages": {"learn": {}}}  # a cycle with nothing new to learn from
+    c2 = {"outcome": "refused", "stages": {"learn": {"cpu_s": 1238.0, "model_version": 5, "chosen": "targeted",
+                                                     "why": "stream", "first_pass": {"steps": 18, "cpu_s": 491.0}}}}
+    plan = cycles_budget([c1, skipped, c2])
+    assert plan["cycles"] == 2 and plan["learn_cpu_s"] == [916.0, 1238.0]
+    assert plan["budget_cpu"] == pytest.approx(2154.0)
+    assert plan["cpu_per_step"] == pytest.approx(316.0 / 12) and plan["sized_from"] == "cycle 1: first pass"
+    assert plan["steps"] == 81  # 2154 / 26.33 = 81.8
+    assert plan["model_version"] == 5 and plan["gates"] == ["promoted", "refused"]
+    assert (plan["chosen"], plan["why"]) == ("targeted", "stream")
+    # the cheaper rate wins wherever it was measured
+    c2["stages"]["learn"]["first_pass"] = {"steps": 18, "cpu_s": 450.0}
+    assert cycles_budget([c1, c2])["sized_from"] == "cycle 2: first pass"
+    assert cycles_budget([c1, c2])["steps"] == int(2154.0 // 25.0)
+    with pytest.raises(ValueError, match="needs two or more"):
+        cycles_budget([c1, skipped])
+    c2["stages"]["learn"]["cpu_s"] = 0.0
+    with pytest.raises(ValueError, match="no CPU-seconds"):
+        cycles_budget([c1, c2])
