@@ -50,6 +50,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _umask_per_test():
+    """Every test starts from the worker's own umask. An in-process CLI call (``flywheel.cli.common.load``)
+    sets 077 for the whole process, so without this a test's outcome depended on which files ran before
+    it in the same pytest-xdist worker: a sandbox test's venv came out 0700 and its grader exited 126."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield
+    os.umask(old)
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """A fresh flywheel home directory, exported as FLYWHEEL_HOME."""

@@ -46,6 +46,9 @@ def isolation_report(cfg: SandboxConfig | None = None) -> dict[str, str | bool]:
             "used as training data (sandbox.train_on_weak = true)" if cfg.train_on_weak else "never training data"
         )
         warning = f"python_tests/shell verdicts come from a weak sandbox and can be forged ({iso})"
+    blocked = supervisor.interpreter_blocked(supervisor.PYTHON) if cannot is None else None
+    if blocked is not None:  # python_tests runs fork the sandbox's interpreter; a shell's python execs it
+        warning = "; ".join(filter(None, [warning, "shell verdicts are infrastructure errors: " + blocked]))
     return {
         "mode": "netns" if strong else "weak",
         "namespaces": "pid, mount, ipc, network (unshare)" if strong else iso,

@@ -241,7 +241,7 @@ def _run(
     """One sandboxed run, step by step: refuse a weak sandbox unless allowed, attach the cgroup,
     choose the throwaway uids, build the setup, run the harness, then read what it left."""
     run = _begin(mode, names, cfg, python, grading)
-    refused = _refuse_weak(run) or _attach_cgroup(run)
+    refused = _refuse_weak(run) or _refuse_unrunnable_python(run) or _attach_cgroup(run)
     if refused is not None:
         return refused
     _choose_uids(run)
@@ -288,6 +288,16 @@ def _refuse_weak(run: _Run) -> SandboxResult | None:
         "verdict, so this is an infrastructure error. Set sandbox.allow_weak = true to accept weak "
         "verdicts (kept out of training unless sandbox.train_on_weak = true)"
     )
+
+
+def _refuse_unrunnable_python(run: _Run) -> SandboxResult | None:
+    """Shell mode puts ``python``/``python3`` on the grader's PATH; where the throwaway uids cannot
+    execute the interpreter, every ``python`` a grader ran exited 126 and an honest candidate *failed*.
+    That is this machine's fault, not the candidate's: an infrastructure error that says how to fix it."""
+    if run.mode != "shell":
+        return None
+    why = interpreter_blocked(run.python)
+    return None if why is None else run.infra(why)
 
 
 def _attach_cgroup(run: _Run) -> SandboxResult | None:
@@ -549,6 +559,35 @@ def _interpreter_dirs(python: str | None) -> list[str]:
     # Nested entries would be exposed twice; keep the outermost of each chain.
     out = sorted(d for d in dirs if d and d != "/")
     return [d for d in out if not any(d != o and d.startswith(o + "/") for o in out)]
+
+
+def interpreter_blocked(python: str | None = None) -> str | None:
+    """Why the sandbox's throwaway uids could not execute the interpreter, or None. Only root runs
+    sandboxes as other uids. The sandbox covers a private *ancestor* of the interpreter's directories
+    (:func:`_interpreter_dirs`), but never changes a mode inside them: a virtualenv created under
+    umask 077 has 0700 directories, so ``exec .../venv/bin/python`` is "Permission denied" to any
+    other uid (a test that created its venv after an in-process CLI call had set umask 077 saw
+    ``grader exit 126``)."""
+    if os.geteuid() != 0:
+        return None
+    exe = os.path.realpath(python or PYTHON)
+    top = next((d for d in _interpreter_dirs(python) if exe.startswith(d + "/")), os.path.dirname(exe))
+    path, steps = top, [top]
+    for part in Path(os.path.relpath(exe, top)).parts:
+        path = os.path.join(path, part)
+        steps.append(path)
+    for p in steps:
+        try:
+            mode = os.stat(p).st_mode
+        except OSError as e:
+            return f"the sandbox's interpreter {exe} cannot be reached: {p}: {e.strerror}"
+        if not mode & 0o001:
+            return (
+                f"the sandbox's uids cannot run the interpreter {exe}: {p} is mode {mode & 0o777:04o}, closed to "
+                f"other users (a virtualenv created under umask 077?); make it readable (chmod -R go+rX {top}) "
+                "or point flywheel.sandbox.PYTHON at a world-readable interpreter"
+            )
+    return None
 
 
 def _world_traversable(path: str) -> bool:

@@ -130,15 +130,21 @@ def test_a_check_that_makes_a_set_of_a_colliding_result_is_bounded():
 # ----------------------------------------------------------------- finding 1: a checkout under /tmp
 
 
-def _venv_under(tmp: Path) -> Path:
+def _venv_under(tmp: Path, umask: int = 0o022) -> Path:
     """A virtualenv and a copy of the project, both under ``tmp`` (a /tmp path when pytest's base temp
     is there, as a checkout under /tmp is): the layout in which every sandboxed verdict was an
-    infrastructure error."""
+    infrastructure error. Created under ``umask``, whatever this process's is: an in-process CLI call
+    (``flywheel.cli.common.load``) sets 077, and a venv made after one in the same pytest worker was
+    closed to the sandbox's uids -- ``grader exit 126`` when files ran in parallel, never serially."""
     venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--copies", str(venv)], check=True, timeout=120)
-    proj = tmp / "checkout"
-    shutil.copytree(Path(flywheel.__file__).parent, proj / "flywheel",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    old = os.umask(umask)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--copies", str(venv)], check=True, timeout=120)
+        proj = tmp / "checkout"
+        shutil.copytree(Path(flywheel.__file__).parent, proj / "flywheel",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    finally:
+        os.umask(old)
     py = venv / "bin" / "python"
     site = subprocess.run([str(py), "-c", "import site; print(site.getsitepackages()[0])"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -183,6 +189,41 @@ def test_sandbox_works_when_the_project_and_its_venv_live_under_tmp():
         for name in ("io", "free", "site", "shell"):
             assert out[name] == [True, None], (name, out[name], out[name + " why"])
         assert out["report"] == ""
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@needs_ns
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs the sandbox as other uids")
+def test_an_interpreter_closed_to_the_sandbox_uids_is_an_infrastructure_error_not_a_failed_candidate():
+    """A venv created under umask 077 (0700 directories): the grader's ``python`` could not be executed
+    by its uid, ``grader exit 126``, and an honest shell candidate was scored *failed*. Now the run is
+    an infrastructure error naming the closed directory and the fix, and the report warns."""
+    tmp = Path(tempfile.mkdtemp(prefix="fw-sbx-077-", dir="/tmp"))
+    try:
+        py = _venv_under(tmp, umask=0o077)
+        script = textwrap.dedent(
+            """
+            import json, flywheel.sandbox as sb
+            from flywheel.config import SandboxConfig
+            from flywheel.sandbox import report, supervisor
+            cfg = SandboxConfig(cpu_seconds=5, memory_mb=256, wall_seconds=30)
+            r = sb.run_shell("echo hi > out", "python -c 'print(1)' && grep -q hi $WORK/out", cfg)
+            io = sb.run_python_tests("def add(a, b):\\n    return a + b\\n",
+                                     "from solution import add\\n\\ndef test_a():\\n    assert add(2, 3) == 5\\n", cfg)
+            print(json.dumps({"shell": [r.passed, r.infra_error, r.per_test], "io": [io.passed, io.infra_error],
+                              "warning": report.isolation_report(cfg)["warning"]}))
+            """
+        )
+        p = subprocess.run([str(py), "-c", script], capture_output=True, text=True, timeout=180, cwd="/")
+        assert p.returncode == 0, p.stderr[-2000:]
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        passed, infra, per_test = out["shell"]
+        assert passed is False and infra is not None, out  # before: infra None, per_test "grader exit 126"
+        venv = str(tmp / "venv")
+        assert f"{venv} is mode 0700" in infra and "umask 077" in infra and f"chmod -R go+rX {venv}" in infra
+        assert out["io"] == [True, None]  # python_tests fork the interpreter: unaffected, still graded
+        assert "shell verdicts are infrastructure errors" in out["warning"] and venv in out["warning"]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
