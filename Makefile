@@ -55,16 +55,11 @@ demo: setup
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 PYTEST_PARALLEL = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 
-# tests/adversarial (the sandbox's escape attempts) runs afterwards in one process, alone: in two parallel
-# runs a shell-mode grader in test_sandbox_second_pass.py exited 126 while other files ran beside it
-# (alone, and beside the other sandbox files only, it passed every time).
 test: setup $(OTEL23_STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --ignore=tests/adversarial
-	$(BIN)/python -m pytest -q tests/adversarial
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 test-fast: setup $(OTEL23_STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL) --ignore=tests/adversarial
-	$(BIN)/python -m pytest -q -m "not slow" tests/adversarial
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_PARALLEL)
 
 # ruff, the import contracts (pyproject's [tool.importlinter], via tests/unit/test_layers.py) and mypy
 # (mypy.ini) against .ci/mypy-baseline.txt, which may only shrink. mypy caches in .mypy_cache: 1.5-2.5 min cold
