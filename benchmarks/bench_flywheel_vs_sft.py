@@ -154,7 +154,6 @@ def run_cycles_home(args: Any, cfg: Any, unseen: Any, log: Any) -> dict[str, Any
     from flywheel.store import open_store
     from flywheel.tracking import Tracker
     from flywheel.train.demos import demonstrations_from_tasks
-    from flywheel.train.stage import train_sft
     from flywheel.versioning import load_suite
 
     tracker = Tracker(cfg)
@@ -166,18 +165,14 @@ def run_cycles_home(args: Any, cfg: Any, unseen: Any, log: Any) -> dict[str, Any
         demos = demonstrations_from_tasks(train_suite.tasks)
         log(f"cycles home: plain SFT, {plan['steps']} steps on {len(demos)} corrections ({train_suite.entity_id}) "
             f"within the {plan['budget_cpu']:.0f} CPU-s of {plan['cycles']} learning stages …")
-        c0, t0 = time.process_time(), time.perf_counter()
-        sft = train_sft(cfg, store, artifacts, tracker, demos, base=cfg.policy.base_model, steps=plan["steps"],
-                        budget_cpu_s=plan["budget_cpu"])
-        sft_cpu, sft_wall = time.process_time() - c0, time.perf_counter() - t0
+        sft, sft_cpu, sft_wall = plain_sft(cfg, store, artifacts, tracker, demos, plan["steps"], plan["budget_cpu"])
         heldout = load_suite(store, artifacts, cfg.cycle.heldout_suite)
         log(f"cycles home: scoring on {heldout.entity_id} and {len(unseen.tasks)} unseen questions …")
         res = {}
         for label, suite in (("heldout", heldout), ("unseen", unseen)):
             a = score(cfg, store, artifacts, tracker, plan["model_version"], suite)
             b = score(cfg, store, artifacts, tracker, sft.model_version, suite)
-            res[label] = {"suite": suite.entity_id, **compare(a, b),
-                          "per_item": {i: (a[i], b[i]) for i in sorted(set(a) & set(b))}}
+            res[label] = paired(suite, a, b)
     return {
         "seed": args.seeds[0], "budget": 1.0, "home": str(cfg.home),
         "flywheel": {"model": f"model:{cfg.cycle.model_name}/{plan['model_version']}", "learn_cpu_s": plan["budget_cpu"],
@@ -249,6 +244,24 @@ def compare(a: dict[str, bool], b: dict[str, bool]) -> dict[str, Any]:
         "flywheel_only": wins, "sft_only": losses,
         "p_flywheel_better": sign_test(wins, losses), "p_sft_better": sign_test(losses, wins),
     }
+
+
+def paired(suite: Any, a: dict[str, bool], b: dict[str, bool]) -> dict[str, Any]:
+    """One suite's result for a run: :func:`compare` of ``a`` (the flywheel) and ``b`` (the peer), with the
+    per-item verdicts :func:`pooled` needs."""
+    return {"suite": suite.entity_id, **compare(a, b), "per_item": {i: (a[i], b[i]) for i in sorted(set(a) & set(b))}}
+
+
+def plain_sft(cfg: Any, store: Any, artifacts: Any, tracker: Any, demos: list, steps: int,
+              budget_cpu: float) -> tuple[Any, float, float]:
+    """(b): SFT of the base model on ``demos`` for ``steps`` within ``budget_cpu`` process CPU-seconds;
+    returns the run's result, its CPU-seconds and its wall seconds."""
+    from flywheel.train.stage import train_sft
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    sft = train_sft(cfg, store, artifacts, tracker, demos, base=cfg.policy.base_model, steps=steps,
+                    budget_cpu_s=budget_cpu)
+    return sft, time.process_time() - c0, time.perf_counter() - t0
 
 
 def pooled(runs: list[dict[str, Any]], label: str, draws: int = 2000, seed: int = 0) -> dict[str, Any]:
@@ -352,7 +365,6 @@ def main() -> int:
     from flywheel.store import open_store
     from flywheel.tracking import Tracker
     from flywheel.train.demos import demonstrations_from_tasks
-    from flywheel.train.stage import train_sft
     from flywheel.versioning import load_suite
 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
@@ -433,10 +445,7 @@ def main() -> int:
                 train_suite = load_suite(store, artifacts, "train")
                 demos = demonstrations_from_tasks(train_suite.tasks)
                 log(f"seed {seed} x{factor:g}: (b) plain SFT, {sft_steps} steps within {budget_cpu:.0f} CPU-s …")
-                c0, t0 = time.process_time(), time.perf_counter()
-                sft = train_sft(cfg, store, artifacts, tracker, demos, base=cfg.policy.base_model, steps=sft_steps,
-                                budget_cpu_s=budget_cpu)
-                sft_cpu, sft_wall = time.process_time() - c0, time.perf_counter() - t0
+                sft, sft_cpu, sft_wall = plain_sft(cfg, store, artifacts, tracker, demos, sft_steps, budget_cpu)
                 mix = mix_info = None
                 if args.synth_peer:
                     mix, mix_info = synth_peer(cfg, store, artifacts, tracker, demos, budget_cpu, sft_steps, log,
@@ -447,8 +456,7 @@ def main() -> int:
                 for label, suite in (("heldout", heldout), ("unseen", unseen)):
                     a = score(cfg, store, artifacts, tracker, flywheel_version, suite)
                     b = score(cfg, store, artifacts, tracker, sft.model_version, suite)
-                    res[label] = {"suite": suite.entity_id, **compare(a, b),
-                                  "per_item": {i: (a[i], b[i]) for i in sorted(set(a) & set(b))}}
+                    res[label] = paired(suite, a, b)
                     if mix is not None:
                         c = score(cfg, store, artifacts, tracker, mix.model_version, suite)
                         mix_res[label] = {"vs_sft": compare(c, b), "vs_flywheel": compare(c, a),
