@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, field_validator, model_validator
 
 from flywheel.config.base import _Section
 
@@ -37,6 +37,13 @@ class PolicyConfig(_Section):
         "base weights (W + s*BA) so a forward costs what the base model's does. auto: only when the weights are "
         "float32, where the fold is exact to fp32 rounding (in bf16 it rounds W + s*BA to bf16 and changes greedy "
         "answers); always / never force it.",
+    )
+    decode_threads: Literal["auto"] | NonNegativeInt = Field(
+        "auto",
+        description="Intra-op threads of a CPU decode step (hf backend). auto: time the steps under torch's thread "
+        "count and 1 (and half of it on larger machines) and keep the fastest, measured again every 64 steps: "
+        "on a busy machine a descheduled second thread makes each of a step's small ops wait for a time slice "
+        "(batch-1 decoding ~10x slower, benchmarks/bench_decode_threads.py). A count fixes it; 0 leaves torch's.",
     )
     max_concurrency: int = Field(8, ge=1, description="Concurrent HTTP requests per endpoint (openai backend).")
 

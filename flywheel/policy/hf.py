@@ -44,6 +44,7 @@ from typing import Any
 from flywheel.policy.base import PromptTooLongError, Sample, SamplingParams, coerce_params, per_prompt_tools
 from flywheel.policy.format import render_prompt
 from flywheel.policy.models import ModelLoadError, attach_adapter, load_model
+from flywheel.policy.threads import DecodeThreads
 
 # End-of-turn tokens of common chat templates; any that exist in the vocabulary stop a sample.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -59,6 +60,7 @@ class _Shared:
     tokenizer: Any
     device: Any
     lock: threading.RLock = field(default_factory=threading.RLock)
+    decode: DecodeThreads | None = None  # the decode loop's thread chooser, kept across calls (policy.decode_threads)
 
 
 #: A shared prompt prefix shorter than this is encoded with each row (one more model call is not worth it).
@@ -104,6 +106,7 @@ class HFPolicy:
         version: str = "0",
         adapter: str | None = None,
         max_batch_rows: int = 64,
+        decode_threads: str | int = "auto",
         _shared: _Shared | None = None,
     ) -> None:
         if _shared is None:
@@ -123,6 +126,11 @@ class HFPolicy:
         # Encode the prompt prefix a batch's rows share once (see _generate_chunk); a switch for A/B checks.
         self.prefix_sharing = True
         self.prefix_tokens_saved = 0  # prompt tokens not encoded thanks to it, since this policy was made
+        # Intra-op threads of decode steps (policy.decode_threads): "auto" times the steps under the
+        # process's count and 1 and keeps the faster (flywheel.policy.threads), or a fixed count.
+        DecodeThreads(decode_threads, get_threads=lambda: 1, set_threads=lambda k: None)  # refuse a bad value now
+        self.decode_threads: str | int = decode_threads
+        self.decode_thread_steps: dict[int, int] = {}  # thread count -> decode steps run with it, summed
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -138,6 +146,7 @@ class HFPolicy:
         version: str | None = None,
         max_batch_rows: int = 64,
         merge: str = "never",
+        decode_threads: str | int = "auto",
     ) -> HFPolicy:
         """Load ``spec`` with :func:`flywheel.policy.models.load_model` and wrap it.
 
@@ -153,6 +162,7 @@ class HFPolicy:
             version=version or ("base" if adapter is None else f"adapter:{Path(adapter).name}"),
             adapter="default" if adapter is not None else None,
             max_batch_rows=max_batch_rows,
+            decode_threads=decode_threads,
         )
         if adapter is not None and should_merge(merge, next(model.parameters()).dtype):
             policy.merge_adapter()
@@ -205,7 +215,7 @@ class HFPolicy:
             raise ModelLoadError(f"adapter {name!r} is not loaded (loaded: {sorted(self.adapter_names())})")
         return HFPolicy(
             None, None, name=name, version=version or f"adapter:{name}", adapter=name,
-            max_batch_rows=self.max_batch_rows, _shared=self._shared,
+            max_batch_rows=self.max_batch_rows, decode_threads=self.decode_threads, _shared=self._shared,
         )
 
     def merge_adapter(self) -> None:
@@ -425,41 +435,53 @@ class HFPolicy:
         done_ms = [0.0] * rows
         active = list(range(rows))  # original row ids of the live batch rows, in batch order
         eos = torch.tensor(sorted(self._eos_ids), dtype=torch.long, device=dev)
-        while True:
-            u = torch.tensor([torch.rand(1, generator=gens[r]).item() for r in active], dtype=torch.float32)
-            chosen, chosen_lp = _sample(logits, p, u.to(logits.device))
-            is_eos = torch.isin(chosen, eos).tolist()
-            chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
-            keep: list[int] = []
-            for b, r in enumerate(active):
-                toks[r].append(chosen_l[b])
-                lps[r].append(lp_l[b])
-                if is_eos[b]:
-                    finish[r] = "stop"
-                elif scanners is not None and (cut := scanners[r].push(toks[r])) is not None:
-                    finish[r], stop_at[r] = "stop", cut
-                elif len(toks[r]) >= limits[r]:
-                    finish[r] = "length"
-                if finish[r] is None:
-                    keep.append(b)
-                else:
-                    done_ms[r] = (time.perf_counter() - t0) * 1000.0
-            if not keep:
-                break
-            next_tokens = chosen[keep] if len(keep) < len(active) else chosen
-            if len(keep) < len(active):  # drop finished rows from cache and masks
-                sel = torch.tensor(keep, dtype=torch.long, device=dev)
-                cache.batch_select_indices(sel)
-                attn, last_pos = attn[sel], last_pos[sel]
-                active = [active[b] for b in keep]
-            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
-            last_pos = last_pos + 1
-            out = self.model(
-                input_ids=next_tokens[:, None], attention_mask=attn, position_ids=last_pos[:, None],
-                cache=cache, use_cache=True,
-            )
-            cache = out.cache
-            logits = out.logits[:, -1, :].float()
+        setting = self.decode_threads if dev.type == "cpu" else 0
+        threads = self._shared.decode
+        if threads is None or threads.setting != setting:
+            threads = self._shared.decode = DecodeThreads(setting)
+        threads.start(rows)
+        try:
+            while True:
+                threads.before_step()
+                u = torch.tensor([torch.rand(1, generator=gens[r]).item() for r in active], dtype=torch.float32)
+                chosen, chosen_lp = _sample(logits, p, u.to(logits.device))
+                is_eos = torch.isin(chosen, eos).tolist()
+                chosen_l, lp_l = chosen.tolist(), chosen_lp.tolist()
+                keep: list[int] = []
+                for b, r in enumerate(active):
+                    toks[r].append(chosen_l[b])
+                    lps[r].append(lp_l[b])
+                    if is_eos[b]:
+                        finish[r] = "stop"
+                    elif scanners is not None and (cut := scanners[r].push(toks[r])) is not None:
+                        finish[r], stop_at[r] = "stop", cut
+                    elif len(toks[r]) >= limits[r]:
+                        finish[r] = "length"
+                    if finish[r] is None:
+                        keep.append(b)
+                    else:
+                        done_ms[r] = (time.perf_counter() - t0) * 1000.0
+                if not keep:
+                    break
+                next_tokens = chosen[keep] if len(keep) < len(active) else chosen
+                if len(keep) < len(active):  # drop finished rows from cache and masks
+                    sel = torch.tensor(keep, dtype=torch.long, device=dev)
+                    cache.batch_select_indices(sel)
+                    attn, last_pos = attn[sel], last_pos[sel]
+                    active = [active[b] for b in keep]
+                attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+                last_pos = last_pos + 1
+                out = self.model(
+                    input_ids=next_tokens[:, None], attention_mask=attn, position_ids=last_pos[:, None],
+                    cache=cache, use_cache=True,
+                )
+                cache = out.cache
+                logits = out.logits[:, -1, :].float()
+                threads.after_step()
+        finally:
+            threads.restore()
+            for k, v in threads.loop_steps_at.items():
+                self.decode_thread_steps[k] = self.decode_thread_steps.get(k, 0) + v
         samples: list[list[Sample]] = []
         for j, ids in enumerate(prompts):
             group = []

@@ -380,3 +380,26 @@ def test_smollm2_gguf_is_converted_once_to_loadable_safetensors(tmp_path):
     model, tok = load_model(SMOLLM2, home=tmp_path)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
     assert tok.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
+
+
+def test_decode_threads_auto_measures_both_counts_restores_torch_s_and_changes_no_answer(tiny_home):
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=12)
+    fixed = tiny_policy(tiny_home, decode_threads=1)
+    auto = tiny_policy(tiny_home)  # policy.decode_threads defaults to "auto"
+    assert auto.decode_threads == "auto"
+    want = fixed.generate(PROMPTS, params)
+    torch.set_num_threads(2)  # the module runs at 1 thread; auto measures the process's count and 1
+    try:
+        got = auto.generate(PROMPTS, params)
+        assert torch.get_num_threads() == 2  # the process gets its own count back
+    finally:
+        torch.set_num_threads(1)
+    assert [[s.completion_token_ids for s in g] for g in got] == [[s.completion_token_ids for s in g] for g in want]
+    assert set(auto.decode_thread_steps) == {1, 2}  # both were timed (3 trial steps each)
+    assert min(auto.decode_thread_steps.values()) >= 3
+    assert set(fixed.decode_thread_steps) == {1}
+
+
+def test_a_bad_decode_threads_setting_is_refused_when_the_policy_is_made(tiny_home):
+    with pytest.raises(ValueError, match="decode threads must be 'auto' or a count >= 0 \\(got 'many'\\)"):
+        tiny_policy(tiny_home, decode_threads="many")
