@@ -435,7 +435,7 @@ class HFPolicy:
         done_ms = [0.0] * rows
         active = list(range(rows))  # original row ids of the live batch rows, in batch order
         eos = torch.tensor(sorted(self._eos_ids), dtype=torch.long, device=dev)
-        setting = self.decode_threads if dev.type == "cpu" else 0
+        setting = self.decode_threads if torch.device(dev).type == "cpu" else 0  # device may be given as a string
         threads = self._shared.decode
         if threads is None or threads.setting != setting:
             threads = self._shared.decode = DecodeThreads(setting)

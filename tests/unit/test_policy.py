@@ -403,3 +403,12 @@ def test_decode_threads_auto_measures_both_counts_restores_torch_s_and_changes_n
 def test_a_bad_decode_threads_setting_is_refused_when_the_policy_is_made(tiny_home):
     with pytest.raises(ValueError, match="decode threads must be 'auto' or a count >= 0 \\(got 'many'\\)"):
         tiny_policy(tiny_home, decode_threads="many")
+
+
+def test_a_policy_made_with_the_device_as_a_string_decodes(policy):
+    # HFPolicy(model, tokenizer, device="cpu"): the decode loop's thread chooser once read `device.type`
+    from flywheel.policy.hf import HFPolicy
+
+    p = HFPolicy(policy.model, policy.tokenizer, device="cpu")
+    (group,) = p.generate([PROMPTS[0]], SamplingParams(n=1, temperature=0.0, max_new_tokens=3))
+    assert len(group[0].completion_token_ids) >= 1
