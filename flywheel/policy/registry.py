@@ -151,8 +151,8 @@ def local_base(cfg: FlywheelConfig, tracker: Tracker, spec: str, *, of: str) -> 
 def load_policy_for_version(cfg: FlywheelConfig, tracker: Tracker, name: str, version: int) -> Any:
     """An :class:`~flywheel.policy.hf.HFPolicy` for a registered version, full model or LoRA adapter."""
     files = version_files(cfg, tracker, name, version)
-    common = dict(device=cfg.policy.device, dtype=cfg.policy.dtype, name=name, version=str(version),
-                  decode_threads=cfg.policy.decode_threads)
+    common: dict[str, Any] = dict(device=cfg.policy.device, dtype=cfg.policy.dtype, name=name, version=str(version),
+                                  decode_threads=cfg.policy.decode_threads)
     if files.adapter:
         # The gate and `flywheel serve` both load here, so the gate judges the weights that are served.
         return HFPolicy.from_spec(files.base_model, home=cfg.home, adapter=files.directory,
