@@ -44,7 +44,7 @@ from typing import Any
 from flywheel.policy.base import PromptTooLongError, Sample, SamplingParams, coerce_params, per_prompt_tools
 from flywheel.policy.format import render_prompt
 from flywheel.policy.models import ModelLoadError, attach_adapter, load_model
-from flywheel.policy.threads import DecodeThreads
+from flywheel.policy.threads import DecodeThreads, check_decode_threads
 
 # End-of-turn tokens of common chat templates; any that exist in the vocabulary stop a sample.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -128,7 +128,7 @@ class HFPolicy:
         self.prefix_tokens_saved = 0  # prompt tokens not encoded thanks to it, since this policy was made
         # Intra-op threads of decode steps (policy.decode_threads): "auto" times the steps under the
         # process's count and 1 and keeps the faster (flywheel.policy.threads), or a fixed count.
-        DecodeThreads(decode_threads, get_threads=lambda: 1, set_threads=lambda k: None)  # refuse a bad value now
+        check_decode_threads(decode_threads)
         self.decode_threads: str | int = decode_threads
         self.decode_thread_steps: dict[int, int] = {}  # thread count -> decode steps run with it, summed
 

@@ -34,7 +34,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DecodeThreads", "thread_candidates"]
+__all__ = ["DecodeThreads", "check_decode_threads", "thread_candidates"]
+
+
+def check_decode_threads(setting: object) -> None:
+    """Refuse a ``policy.decode_threads`` value that is neither ``"auto"`` nor a count >= 0."""
+    if not (setting == "auto" or (isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0)):
+        raise ValueError(f"decode threads must be 'auto' or a count >= 0 (got {setting!r})")
 
 
 def thread_candidates(n: int) -> list[int]:
@@ -68,8 +74,7 @@ class DecodeThreads:
         set_threads: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if not (setting == "auto" or (isinstance(setting, int) and not isinstance(setting, bool) and setting >= 0)):
-            raise ValueError(f"decode threads must be 'auto' or a count >= 0 (got {setting!r})")
+        check_decode_threads(setting)
         if trial_steps < 1 or reprobe_every < 1:
             raise ValueError(f"trial_steps and reprobe_every must be >= 1 (got {trial_steps}, {reprobe_every})")
         if get_threads is None or set_threads is None:
