@@ -48,7 +48,8 @@ wrong_value               schema_values 0.75, mutate 0.25
 missing_argument          schema_values 0.5, mutate 0.5
 extra_argument            masked_names 0.5, mutate 0.5
 wrong_function            distractor 0.5, masked_names 0.5
-missing_call, extra_call  parallel 1.0
+missing_call              enumeration 0.6, parallel 0.4
+extra_call                enumeration 0.5, parallel 0.5
 unexpected_call           irrelevance 1.0
 unparseable, other        mutate 1.0 (more demonstrations of the call syntax)
 ========================  ==========================================================
@@ -89,8 +90,8 @@ KIND_TO_GENERATORS: dict[str, dict[str, float]] = {
     "missing_argument": {"schema_values": 0.5, "mutate": 0.5},
     "extra_argument": {"masked_names": 0.5, "mutate": 0.5},
     "wrong_function": {"distractor": 0.5, "masked_names": 0.5},
-    "missing_call": {"parallel": 1.0},
-    "extra_call": {"parallel": 1.0},
+    "missing_call": {"enumeration": 0.6, "parallel": 0.4},
+    "extra_call": {"enumeration": 0.5, "parallel": 0.5},
     "unexpected_call": {"irrelevance": 1.0},
     "unparseable": {"mutate": 1.0},
     "other": {"mutate": 1.0},
@@ -98,7 +99,7 @@ KIND_TO_GENERATORS: dict[str, dict[str, float]] = {
 
 #: The generators :func:`plan_generators` plans by default (every target of the mapping; not
 #: ``paraphrase``, which needs a policy).
-PLANNED_GENERATORS = ("schema_values", "masked_names", "distractor", "parallel", "irrelevance", "mutate")
+PLANNED_GENERATORS = ("schema_values", "masked_names", "distractor", "parallel", "enumeration", "irrelevance", "mutate")
 
 _ORDER = {k: i for i, k in enumerate(ERROR_KINDS)}
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from flywheel.policy.base import Policy
 from flywheel.synth.generators.base import Candidate, Generator, Progress, build_context
 from flywheel.synth.generators.distractor import DistractorGenerator
+from flywheel.synth.generators.enumeration import EnumerationGenerator
 from flywheel.synth.generators.irrelevance import IrrelevanceGenerator
 from flywheel.synth.generators.masked_names import MaskedNamesGenerator
 from flywheel.synth.generators.mutate import MutateGenerator
@@ -22,6 +23,7 @@ GENERATORS: dict[str, type[Generator]] = {
     "mutate": MutateGenerator,
     "distractor": DistractorGenerator,
     "parallel": ParallelGenerator,
+    "enumeration": EnumerationGenerator,
     "paraphrase": ParaphraseGenerator,
     "schema_values": SchemaValuesGenerator,
     "masked_names": MaskedNamesGenerator,
