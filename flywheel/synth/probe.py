@@ -8,7 +8,10 @@ that applies; every kind that applies is kept per task)
 ------------------------------------------------------------------------------------------------
 ``unparseable``
     the answer holds call-shaped text the verifier's parser cannot read (truncated, invalid
-    Python/JSON): the verdict's ``parse_errors``.
+    Python/JSON): the verdict's ``parse_errors``. One exception: an answer whose only parse error is
+    an argument given twice in one call (``f(city='Berlin', city='Moscow')``) lists several items in
+    one call where one call per item was due: that is ``missing_call``, and what it needs to learn is
+    the count (the ``enumeration`` generator), not the syntax.
 ``unexpected_call``
     no call was due (``expected == []``: an irrelevance task) and the answer made one.
 ``wrong_function``
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,6 +106,9 @@ KIND_TO_GENERATORS: dict[str, dict[str, float]] = {
 PLANNED_GENERATORS = ("schema_values", "masked_names", "distractor", "parallel", "enumeration", "irrelevance", "mutate")
 
 _ORDER = {k: i for i, k in enumerate(ERROR_KINDS)}
+
+#: A parse error that only says an argument was given twice in one call (Python's and the parser's words).
+_REPEATED_ARG = re.compile(r"keyword argument repeated|argument '[^']*' given twice")
 
 
 def _answer_message(answer_text: str) -> dict:
@@ -168,7 +175,10 @@ def answer_kinds(task: dict, answer_text: str, context: VerifyContext | None = N
     spec = task["verifier"]
     if spec.get("kind") != "tool_call":
         return ["other"]
-    if v.details.get("parse_errors"):
+    errors = v.details.get("parse_errors") or []
+    if errors:
+        if spec.get("kind") == "tool_call" and spec.get("expected") and all(_REPEATED_ARG.search(str(e)) for e in errors):
+            return ["missing_call"]  # several items squeezed into one call (module docstring)
         return ["unparseable"]
     calls = [json.loads(c) for c in v.details.get("calls") or []]
     expected = spec.get("expected")

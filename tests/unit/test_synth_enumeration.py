@@ -140,3 +140,18 @@ def test_bfcl_parallel_seeds_give_solvable_variants_and_the_probe_plans_them_for
         assert len(c.task["reference"]["tool_calls"]) == len(seed["reference"]["tool_calls"]) + (1 if op == "extend" else -1)
     plan = plan_generators({"missing_call": 5}, 20, floor=0.0)
     assert plan["enumeration"] == 12 and plan["parallel"] == 8
+
+
+def test_the_probe_counts_items_squeezed_into_one_call_as_missing_calls_and_plans_enumeration_for_them():
+    cities = tool_spec("instrument.availability", {"instrument": {"type": "string"}, "city": {"type": "string"}},
+                       ["instrument", "city"], "Whether a store in a city has the instrument.")
+    seed = _seed("Is the P125 piano available in Berlin and Moscow?", cities,
+                 [{"instrument": "P125", "city": "Berlin"}, {"instrument": "P125", "city": "Moscow"}])
+    # What a small model writes for a listed request: one call, the listed argument repeated.
+    assert classify_answer(seed, "[instrument.availability(instrument='P125', city='Berlin', city='Moscow')]") \
+        == "missing_call"
+    # Other parse errors stay unparseable: a truncated answer, and a repeat beside another error.
+    assert classify_answer(seed, "[instrument.availability(instrument='P125', city='Berl") == "unparseable"
+    assert classify_answer(seed, "[instrument.availability(instrument='P125', city='Berlin', city='Moscow')][x(") \
+        == "unparseable"
+    assert classify_answer(seed, _text(seed["reference"]["tool_calls"])) is None
