@@ -246,10 +246,28 @@ def compare(a: dict[str, bool], b: dict[str, bool]) -> dict[str, Any]:
     }
 
 
+def category_of(task: dict) -> str | None:
+    """The BFCL category of an unseen-suite task (its cluster is ``unseen-<category>_<n>``), else None."""
+    cluster = str((task.get("metadata") or {}).get("cluster") or "")
+    return cluster[len("unseen-"):].rsplit("_", 1)[0] if cluster.startswith("unseen-") else None
+
+
 def paired(suite: Any, a: dict[str, bool], b: dict[str, bool]) -> dict[str, Any]:
     """One suite's result for a run: :func:`compare` of ``a`` (the flywheel) and ``b`` (the peer), with the
-    per-item verdicts :func:`pooled` needs."""
-    return {"suite": suite.entity_id, **compare(a, b), "per_item": {i: (a[i], b[i]) for i in sorted(set(a) & set(b))}}
+    per-item verdicts :func:`pooled` needs and, for the unseen suite, passes per BFCL category
+    (``by_category``: category -> [flywheel passed, peer passed, items]) -- where a lift or a loss sits."""
+    ids = sorted(set(a) & set(b))
+    out = {"suite": suite.entity_id, **compare(a, b), "per_item": {i: (a[i], b[i]) for i in ids}}
+    cats = {t["task_id"]: category_of(t) for t in suite.tasks}
+    if any(cats.get(i) for i in ids):
+        by: dict[str, list[int]] = {}
+        for i in ids:
+            row = by.setdefault(cats.get(i) or "?", [0, 0, 0])
+            row[0] += a[i]
+            row[1] += b[i]
+            row[2] += 1
+        out["by_category"] = dict(sorted(by.items()))
+    return out
 
 
 def plain_sft(cfg: Any, store: Any, artifacts: Any, tracker: Any, demos: list, steps: int,
@@ -510,6 +528,9 @@ def main() -> int:
                   f"{x['flywheel_rate']:.1%} [{fa[0]:.1%}, {fa[1]:.1%}]  vs  SFT {x['sft_passed']}/{x['items']} = "
                   f"{x['sft_rate']:.1%} [{fb[0]:.1%}, {fb[1]:.1%}]; discordant {x['flywheel_only']} / {x['sft_only']}, "
                   f"p(flywheel better) = {x['p_flywheel_better']:.3g}, p(SFT better) = {x['p_sft_better']:.3g}")
+            if x.get("by_category"):
+                print("      by category (flywheel / SFT / items): " + ", ".join(
+                    f"{c} {v[0]} / {v[1]} / {v[2]}" for c, v in x["by_category"].items()))
         m = r.get("synth_sft")
         if m:
             print(f"    (c) SFT + the flywheel's synthesis {m['model']} ({m['steps']} steps, {m['cpu_s']:.0f} CPU-s, "

@@ -72,7 +72,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "evals": {"heldout_fraction": 0.3},
             # per_seed sizes the synthesis the probe plans (variants ~ per_seed x train-side tasks).
             "synth": {"per_seed": 1, "generators": ["mutate", "schema_values", "masked_names", "distractor",
-                                                    "parallel", "enumeration", "irrelevance"]},
+                                                    "parallel", "irrelevance"]},
             "rollout": {"group_size": 4, "max_new_tokens": 48, "max_tasks": 8, "temperature": 1.0,
                         "dynamic_sampling": "drop"},
             # train.mode "arms" (flywheel.learn): one full SFT pass over every real correction (and, from
@@ -122,7 +122,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "policy": {"base_model": "tiny", "device": "cpu", "dtype": "float32"},
             "evals": {"heldout_fraction": 0.3},
             "synth": {"per_seed": 1, "generators": ["mutate", "schema_values", "masked_names", "distractor",
-                                                    "parallel", "enumeration", "irrelevance"]},
+                                                    "parallel", "irrelevance"]},
             "rollout": {"group_size": 2, "max_new_tokens": 12, "max_tasks": 4, "dynamic_sampling": "drop"},
             # the whole learning stage at toy size; grpo_min_signal_groups 1 so the GRPO arm trains when a
             # random model happens to give any group signal (it usually gives none: skipped, with the count).
@@ -142,7 +142,7 @@ PROFILES: dict[str, dict[str, Any]] = {
             "policy": {"base_model": "smollm2-135m", "device": "cuda", "dtype": "bfloat16"},
             "evals": {"heldout_fraction": 0.3},
             "synth": {"per_seed": 8, "generators": ["mutate", "schema_values", "masked_names", "distractor",
-                                                    "parallel", "enumeration", "irrelevance"]},
+                                                    "parallel", "irrelevance"]},
             "rollout": {"group_size": 8, "max_new_tokens": 96, "max_tasks": 256, "dynamic_sampling": "drop"},
             "train": {"mode": "arms", "loss": "dapo", "first_pass_epochs": 2.0, "arm_steps": 8, "continue_steps": 64,
                       "batch_size": 32,

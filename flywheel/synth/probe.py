@@ -11,7 +11,7 @@ that applies; every kind that applies is kept per task)
     Python/JSON): the verdict's ``parse_errors``. One exception: an answer whose only parse error is
     an argument given twice in one call (``f(city='Berlin', city='Moscow')``) lists several items in
     one call where one call per item was due: that is ``missing_call``, and what it needs to learn is
-    the count (the ``enumeration`` generator), not the syntax.
+    the count (one call per item), not the syntax.
 ``unexpected_call``
     no call was due (``expected == []``: an irrelevance task) and the answer made one.
 ``wrong_function``
@@ -51,8 +51,7 @@ wrong_value               schema_values 0.75, mutate 0.25
 missing_argument          schema_values 0.5, mutate 0.5
 extra_argument            masked_names 0.5, mutate 0.5
 wrong_function            distractor 0.5, masked_names 0.5
-missing_call              enumeration 0.6, parallel 0.4
-extra_call                enumeration 0.5, parallel 0.5
+missing_call, extra_call  parallel 1.0
 unexpected_call           irrelevance 1.0
 unparseable, other        mutate 1.0 (more demonstrations of the call syntax)
 ========================  ==========================================================
@@ -94,8 +93,8 @@ KIND_TO_GENERATORS: dict[str, dict[str, float]] = {
     "missing_argument": {"schema_values": 0.5, "mutate": 0.5},
     "extra_argument": {"masked_names": 0.5, "mutate": 0.5},
     "wrong_function": {"distractor": 0.5, "masked_names": 0.5},
-    "missing_call": {"enumeration": 0.6, "parallel": 0.4},
-    "extra_call": {"enumeration": 0.5, "parallel": 0.5},
+    "missing_call": {"parallel": 1.0},
+    "extra_call": {"parallel": 1.0},
     "unexpected_call": {"irrelevance": 1.0},
     "unparseable": {"mutate": 1.0},
     "other": {"mutate": 1.0},
@@ -103,7 +102,7 @@ KIND_TO_GENERATORS: dict[str, dict[str, float]] = {
 
 #: The generators :func:`plan_generators` plans by default (every target of the mapping; not
 #: ``paraphrase``, which needs a policy).
-PLANNED_GENERATORS = ("schema_values", "masked_names", "distractor", "parallel", "enumeration", "irrelevance", "mutate")
+PLANNED_GENERATORS = ("schema_values", "masked_names", "distractor", "parallel", "irrelevance", "mutate")
 
 _ORDER = {k: i for i, k in enumerate(ERROR_KINDS)}
 

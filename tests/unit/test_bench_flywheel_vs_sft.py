@@ -76,3 +76,19 @@ def test_cycles_home_gives_plain_sft_every_learning_stage_s_cpu_seconds_and_comp
     c2["stages"]["learn"]["cpu_s"] = 0.0
     with pytest.raises(ValueError, match="no CPU-seconds"):
         cycles_budget([c1, c2])
+
+
+def test_paired_results_split_the_unseen_suite_by_bfcl_category_and_leave_other_suites_whole():
+    from types import SimpleNamespace
+
+    paired = _bench().paired
+    tasks = [{"task_id": f"t{i}", "metadata": {"cluster": f"unseen-{c}_{i}"}}
+             for i, c in enumerate(["simple_python", "parallel_multiple", "parallel", "parallel_multiple"])]
+    suite = SimpleNamespace(entity_id="suite:bfcl-unseen@1", tasks=tasks)
+    a = {"t0": True, "t1": True, "t2": False, "t3": False}
+    b = {"t0": True, "t1": False, "t2": True, "t3": False}
+    r = paired(suite, a, b)
+    assert r["by_category"] == {"parallel": [0, 1, 1], "parallel_multiple": [1, 0, 2], "simple_python": [1, 1, 1]}
+    assert (r["flywheel_only"], r["sft_only"], r["per_item"]["t1"]) == (1, 1, (True, False))
+    held = SimpleNamespace(entity_id="suite:heldout@1", tasks=[{"task_id": "t0", "metadata": {"cluster": "c-x"}}])
+    assert "by_category" not in paired(held, {"t0": True}, {"t0": False})

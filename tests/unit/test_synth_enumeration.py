@@ -127,7 +127,7 @@ def test_requests_without_a_clean_one_argument_list_are_left_alone(text, calls):
     assert not EnumerationGenerator().applicable(seed) and _variants(seed) == []
 
 
-def test_bfcl_parallel_seeds_give_solvable_variants_and_the_probe_plans_them_for_missing_calls():
+def test_bfcl_parallel_seeds_give_solvable_variants_and_the_probe_does_not_plan_them_by_default():
     seeds = seed_tasks(bfcl_tasks("parallel", 40) + bfcl_tasks("parallel_multiple", 20))
     cands, _ = generate_candidates(seeds, make_generators(["enumeration"]), 2, seed=5)
     assert len(cands) >= 4
@@ -138,11 +138,13 @@ def test_bfcl_parallel_seeds_give_solvable_variants_and_the_probe_plans_them_for
         seed = next(s for s in seeds if s["task_id"] == c.seed_ids[0])
         op = c.task["metadata"]["synth_detail"]["op"]
         assert len(c.task["reference"]["tool_calls"]) == len(seed["reference"]["tool_calls"]) + (1 if op == "extend" else -1)
+    # Not planned by the probe by default (two seeds measured no gain; docs/learning.md): a missing call
+    # still goes to parallel.
     plan = plan_generators({"missing_call": 5}, 20, floor=0.0)
-    assert plan["enumeration"] == 12 and plan["parallel"] == 8
+    assert "enumeration" not in plan and plan["parallel"] == 20
 
 
-def test_the_probe_counts_items_squeezed_into_one_call_as_missing_calls_and_plans_enumeration_for_them():
+def test_the_probe_counts_items_squeezed_into_one_call_as_missing_calls():
     cities = tool_spec("instrument.availability", {"instrument": {"type": "string"}, "city": {"type": "string"}},
                        ["instrument", "city"], "Whether a store in a city has the instrument.")
     seed = _seed("Is the P125 piano available in Berlin and Moscow?", cities,

@@ -112,30 +112,26 @@ def test_a_verifier_that_cannot_judge_is_not_counted_as_a_failure(monkeypatch):
 
 def test_plan_follows_the_counts_with_the_floor_worked_by_hand():
     report = probe_counts([t for t, _, _ in RECORDED], [a for _, a, _ in RECORDED])
-    # floor: max(1, floor(0.05 * 40)) = 2 each -> 14, 26 left. Weights: schema_values 0.75 + 0.5 = 1.25,
-    # masked_names 0.5 + 0.5 = 1, distractor 0.5, parallel 2 * 0.4 + 1 * 0.5 = 1.3,
-    # enumeration 2 * 0.6 + 1 * 0.5 = 1.7, irrelevance 1, mutate 0.25 + 0.5 + 1 + 0.5 = 2.25 (total 9).
-    # 26 * w / 9 = 3.61, 2.89, 1.44, 3.76, 4.91, 2.89, 6.5: floors 3, 2, 1, 3, 4, 2, 6 (21); the 5 largest
-    # remainders go to enumeration (.91), masked_names and irrelevance (.89, in order), parallel (.76) and
-    # schema_values (.61).
+    # floor: max(1, floor(0.05 * 40)) = 2 each -> 12, 28 left. Weights: schema_values 0.75 + 0.5 = 1.25,
+    # masked_names 0.5 + 0.5 = 1, distractor 0.5, parallel 2 + 1 = 3, irrelevance 1,
+    # mutate 0.25 + 0.5 + 1 + 0.5 = 2.25 (total 9). 28 * w / 9 = 3.89, 3.11, 1.56, 9.33, 3.11, 7.0:
+    # floors 3, 3, 1, 9, 3, 7 (26); the 2 largest remainders go to schema_values and distractor.
     plan = plan_generators(report, 40)
-    assert plan == {"schema_values": 6, "masked_names": 5, "distractor": 3, "parallel": 6, "enumeration": 7,
-                    "irrelevance": 5, "mutate": 8}
+    assert plan == {"schema_values": 6, "masked_names": 5, "distractor": 4, "parallel": 11, "irrelevance": 5,
+                    "mutate": 9}
     assert sum(plan.values()) == 40
 
 
 def test_plan_sends_value_errors_to_schema_values_and_spreads_evenly_without_failures():
     # 10 * 0.75 = 7.5 and 10 * 0.25 = 2.5: the tie on the remainder goes to the first in order.
     assert plan_generators({"wrong_value": 4}, 10, floor=0.0) == {
-        "schema_values": 8, "masked_names": 0, "distractor": 0, "parallel": 0, "enumeration": 0, "irrelevance": 0,
-        "mutate": 2}
+        "schema_values": 8, "masked_names": 0, "distractor": 0, "parallel": 0, "irrelevance": 0, "mutate": 2}
     assert plan_generators({"unexpected_call": 3}, 10, floor=0.0, generators=["irrelevance", "parallel"]) == {
         "irrelevance": 10, "parallel": 0}
-    assert plan_generators({}, 14) == dict.fromkeys(PLANNED_GENERATORS, 2)
+    assert plan_generators({}, 12) == dict.fromkeys(PLANNED_GENERATORS, 2)
     # A budget smaller than the floors: the first generators get one each, in order.
     assert plan_generators({"wrong_value": 1}, 3) == {"schema_values": 1, "masked_names": 1, "distractor": 1,
-                                                      "parallel": 0, "enumeration": 0, "irrelevance": 0,
-                                                      "mutate": 0}
+                                                      "parallel": 0, "irrelevance": 0, "mutate": 0}
     with pytest.raises(ValueError, match="unknown error kind"):
         plan_generators({"bogus": 1}, 10)
 
