@@ -163,6 +163,18 @@ def _locate_string(text: str, value: str) -> list[re.Match[str]]:
     return list(re.finditer(r"(?<!\w)" + re.escape(value) + r"(?!\w)", text, flags=re.IGNORECASE))
 
 
+def _locate_value(text: str, value: Any) -> list[re.Match[str]] | None:
+    """Where ``text`` states the argument ``value`` (:func:`_locate_number` or :func:`_locate_string`);
+    ``None`` for a value no request states as such (a bool, None, a list or an object)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int | float):
+        return _locate_number(text, value)
+    if isinstance(value, str):
+        return _locate_string(text, value)
+    return None
+
+
 def _schema_of(tools: list[dict], call_name: str, param: str) -> dict | None:
     for t in tools:
         fn = function_of(t) or {}

@@ -37,8 +37,8 @@ from flywheel.synth.generators.base import (
     Candidate,
     GenContext,
     Generator,
-    _locate_number,
     _locate_string,
+    _locate_value,
     _new_task,
     _schema_of,
 )
@@ -89,15 +89,8 @@ def find_enumeration(seed: dict) -> dict[str, Any] | None:
             continue
         spans = []
         for v in values:
-            if isinstance(v, bool) or v is None:
-                break
-            if isinstance(v, int | float):
-                found = _locate_number(text, v)
-            elif isinstance(v, str):
-                found = _locate_string(text, v)
-            else:
-                break
-            if len(found) != 1:
+            found = _locate_value(text, v)
+            if found is None or len(found) != 1:
                 break
             spans.append(found[0].span())
         else:

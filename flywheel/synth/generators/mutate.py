@@ -17,8 +17,8 @@ from flywheel.synth.generators.base import (
     GenContext,
     Generator,
     _is_one_of,
-    _locate_number,
     _locate_string,
+    _locate_value,
     _new_task,
     _schema_of,
 )
@@ -169,15 +169,8 @@ def _mutation_plan(seed: dict) -> list[dict]:
             schema = _schema_of(seed["prompt"]["tools"], c["name"], p)
             if schema is None:
                 continue
-            if isinstance(v, bool) or v is None:
-                continue
-            if isinstance(v, int | float):
-                spans = _locate_number(text, v)
-            elif isinstance(v, str):
-                spans = _locate_string(text, v)
-            else:
-                continue
-            if len(spans) == 1:
+            spans = _locate_value(text, v)
+            if spans is not None and len(spans) == 1:
                 plan.append({"call": ci, "param": p, "value": v, "schema": schema, "span": spans[0].span()})
     return plan
 
