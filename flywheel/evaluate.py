@@ -138,10 +138,7 @@ def default_policy_loader(cfg: FlywheelConfig, tracker: Tracker) -> PolicyLoader
 
     def load(ref: ModelRef) -> Policy:
         if ref.is_base:
-            return HFPolicy.from_spec(
-                ref.spec, home=cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype, name="base", version="base",
-                decode_threads=cfg.policy.decode_threads,
-            )
+            return HFPolicy.from_config(cfg.policy, ref.spec, cfg.home, name="base", version="base")
         try:
             return load_policy_for_version(cfg, tracker, ref.name, int(ref.version))
         except ModelRefError as e:

@@ -127,7 +127,6 @@ def _load_policy(cfg: FlywheelConfig) -> Policy:
                 raise CliError("[policy] backend = 'openai' needs [policy] base_url")
             return OpenAIPolicy(cfg.policy.endpoints, cfg.policy.base_model, os.environ.get(cfg.policy.api_key_env),
                                 cfg.policy.max_concurrency, cfg.policy.request_timeout_s)
-        return HFPolicy.from_spec(cfg.policy.base_model, cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype,
-                                  decode_threads=cfg.policy.decode_threads)
+        return HFPolicy.from_config(cfg.policy, cfg.policy.base_model, cfg.home)
     except (ImportError, OSError, ValueError, RuntimeError) as e:
         raise CliError(f"could not load the policy for paraphrase/difficulty ({cfg.policy.base_model}): {e}") from None

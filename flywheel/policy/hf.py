@@ -39,12 +39,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flywheel.policy.base import PromptTooLongError, Sample, SamplingParams, coerce_params, per_prompt_tools
 from flywheel.policy.format import render_prompt
 from flywheel.policy.models import ModelLoadError, attach_adapter, load_model
 from flywheel.policy.threads import DecodeThreads, check_decode_threads
+
+if TYPE_CHECKING:
+    from flywheel.config import PolicyConfig
 
 # End-of-turn tokens of common chat templates; any that exist in the vocabulary stop a sample.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -133,6 +136,13 @@ class HFPolicy:
         self.decode_thread_steps: dict[int, int] = {}  # thread count -> decode steps run with it, summed
 
     # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(cls, policy: PolicyConfig, spec: str, home: Path, **kw: Any) -> HFPolicy:
+        """:meth:`from_spec` with the ``[policy]`` section's device, dtype, adapter merging and decode
+        threads, so every loader (gate, serve, rollouts, evaluate, synth) runs the model alike."""
+        return cls.from_spec(spec, home, device=policy.device, dtype=policy.dtype, merge=policy.merge_adapters,
+                             decode_threads=policy.decode_threads, **kw)
+
     @classmethod
     def from_spec(
         cls,

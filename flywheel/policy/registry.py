@@ -151,13 +151,11 @@ def local_base(cfg: FlywheelConfig, tracker: Tracker, spec: str, *, of: str) -> 
 def load_policy_for_version(cfg: FlywheelConfig, tracker: Tracker, name: str, version: int) -> Any:
     """An :class:`~flywheel.policy.hf.HFPolicy` for a registered version, full model or LoRA adapter."""
     files = version_files(cfg, tracker, name, version)
-    common: dict[str, Any] = dict(device=cfg.policy.device, dtype=cfg.policy.dtype, name=name, version=str(version),
-                                  decode_threads=cfg.policy.decode_threads)
     if files.adapter:
         # The gate and `flywheel serve` both load here, so the gate judges the weights that are served.
-        return HFPolicy.from_spec(files.base_model, home=cfg.home, adapter=files.directory,
-                                  merge=cfg.policy.merge_adapters, **common)
-    return HFPolicy.from_spec(str(files.directory), home=cfg.home, **common)
+        return HFPolicy.from_config(cfg.policy, files.base_model, cfg.home, adapter=files.directory, name=name,
+                                    version=str(version))
+    return HFPolicy.from_config(cfg.policy, str(files.directory), cfg.home, name=name, version=str(version))
 
 
 def _openai(cfg: FlywheelConfig, url: str | list[str], model: str) -> Any:
@@ -166,8 +164,7 @@ def _openai(cfg: FlywheelConfig, url: str | list[str], model: str) -> Any:
 
 
 def _base_policy(cfg: FlywheelConfig, spec: str) -> Any:
-    return HFPolicy.from_spec(spec, home=cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype,
-                              decode_threads=cfg.policy.decode_threads)
+    return HFPolicy.from_config(cfg.policy, spec, cfg.home)
 
 
 @dataclass

@@ -140,8 +140,7 @@ def build_policy(cfg: FlywheelConfig, model: str | None = None, tracker: Tracker
         return f"{m.name}-{m.version}", load_policy_for_version(cfg, tracker or Tracker(cfg), m.name, m.version)  # type: ignore[arg-type]
     spec = m.spec
     name = spec if spec in ("smollm2-135m", "tiny") else Path(spec).expanduser().resolve().name  # type: ignore[arg-type]
-    policy = HFPolicy.from_spec(spec, cfg.home, device=cfg.policy.device, dtype=cfg.policy.dtype, name=name,
-                                decode_threads=cfg.policy.decode_threads)
+    policy = HFPolicy.from_config(cfg.policy, spec, cfg.home, name=name)
     return name, policy
 
 

@@ -176,7 +176,7 @@ def answer_kinds(task: dict, answer_text: str, context: VerifyContext | None = N
         return ["other"]
     errors = v.details.get("parse_errors") or []
     if errors:
-        if spec.get("kind") == "tool_call" and spec.get("expected") and all(_REPEATED_ARG.search(str(e)) for e in errors):
+        if spec.get("expected") and all(_REPEATED_ARG.search(str(e)) for e in errors):
             return ["missing_call"]  # several items squeezed into one call (module docstring)
         return ["unparseable"]
     calls = [json.loads(c) for c in v.details.get("calls") or []]
