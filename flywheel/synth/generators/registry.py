@@ -17,6 +17,7 @@ from flywheel.synth.generators.mutate import MutateGenerator
 from flywheel.synth.generators.parallel import ParallelGenerator
 from flywheel.synth.generators.paraphrase import ParaphraseGenerator
 from flywheel.synth.generators.schema_values import SchemaValuesGenerator
+from flywheel.synth.generators.unused_tool import UnusedToolGenerator
 from flywheel.vocab.ids import json_id
 
 GENERATORS: dict[str, type[Generator]] = {
@@ -28,6 +29,7 @@ GENERATORS: dict[str, type[Generator]] = {
     "schema_values": SchemaValuesGenerator,
     "masked_names": MaskedNamesGenerator,
     "irrelevance": IrrelevanceGenerator,
+    "unused_tool": UnusedToolGenerator,
 }
 
 
