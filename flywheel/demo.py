@@ -162,15 +162,26 @@ class DemoError(RuntimeError):
     pass
 
 
-def demo_overrides(profile: str, home: Path, seed: int | None = None) -> dict[str, Any]:
+#: What ``flywheel demo --dtype`` accepts (``policy.dtype``'s values).
+DEMO_DTYPES = ("auto", "fast", "float32", "bfloat16")
+
+
+def demo_overrides(profile: str, home: Path, seed: int | None = None, dtype: str | None = None) -> dict[str, Any]:
     """The profile's configuration for ``home``; ``seed`` re-seeds synthesis, rollouts and training
-    (the held-out split keeps its own seed, so runs with different seeds gate on the same suites)."""
+    (the held-out split keeps its own seed, so runs with different seeds gate on the same suites).
+    ``dtype`` replaces the profile's ``policy.dtype``: ``float32`` on a CPU that computes bf16 natively
+    runs what the cpu profile's ``fast`` runs on one that does not (the profile wins over flywheel.toml and
+    the environment, so this is the way to measure that case)."""
     if profile not in PROFILES:
         raise DemoError(f"unknown profile {profile!r}: choose {sorted(PROFILES)}")
+    if dtype is not None and dtype not in DEMO_DTYPES:
+        raise DemoError(f"unknown dtype {dtype!r}: choose one of {', '.join(DEMO_DTYPES)}")
     ov = {"home": str(home), **json.loads(json.dumps(PROFILES[profile]["config"]))}
     if seed is not None:
         for section in ("synth", "rollout", "train"):
             ov.setdefault(section, {})["seed"] = int(seed)
+    if dtype is not None:
+        ov.setdefault("policy", {})["dtype"] = dtype
     return ov
 
 

@@ -102,6 +102,9 @@ def demo(
     profile: str = typer.Option("cpu", "--profile", help="cpu (demo-sized, 2 cores), gpu (larger budgets, CUDA) or smoke (tiny random model)."),
     gpu: bool = typer.Option(False, "--gpu", help="Shorthand for --profile gpu."),
     seed: int = typer.Option(None, "--seed", help="Re-seed synthesis, rollouts and training (the held-out split keeps its seed)."),
+    dtype: str = typer.Option(None, "--dtype", help="The policy's weights dtype instead of the profile's: auto, fast, "
+                              "float32 or bfloat16 (cpu profile: fast = bf16 where the CPU computes it natively, "
+                              "else float32; --dtype float32 on such a CPU runs what one without it runs)."),
     home: str = HomeOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
@@ -114,7 +117,10 @@ def demo(
     if profile not in d.PROFILES:
         raise CliError(f"--profile must be one of {sorted(d.PROFILES)}")
     base = load(home, config)
-    overrides = d.demo_overrides(profile, base.home, seed)
+    try:
+        overrides = d.demo_overrides(profile, base.home, seed, dtype)
+    except d.DemoError as e:
+        raise CliError(f"--dtype: {e}") from None
     cfg = load(home, config, overrides)
     _prefect_env(cfg)
     cfg.ensure_home()
