@@ -134,7 +134,7 @@ class SynthConfig(_Section):
     per_seed: int = Field(8, ge=0, description="Candidates generated per seed task.")
     generators: list[str] = Field(
         default_factory=lambda: ["mutate", "distractor", "parallel"],
-        description="Generators to run: mutate, distractor, parallel, enumeration, paraphrase, schema_values, "
+        description="Generators to run: mutate, distractor, parallel, enumeration, paraphrase, schema_values, unused_tool, "
         "masked_names, irrelevance.",
     )
     seed: int = Field(0, description="Seed of the deterministic generators.")
