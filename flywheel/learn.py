@@ -381,6 +381,12 @@ def run_learning(
     dev_tasks = [x for x in real if x["task_id"] in dev]
     train_real = _without(real, dev)
     real_demos = _demos(train_real, _without(regression, dev))
+    # train.probe_holdout (stream only: the trials' control resumes the first pass's data stream): the
+    # probe's tasks sit out the first pass and join the stream; only when at least as many tasks remain
+    probe_ids = ({x["task_id"] for x in _probe_tasks(t, train_real)} if t.probe_holdout and stream else set())
+    if 2 * len(probe_ids) > len(train_real):
+        probe_ids = set()
+    first_demos = _demos(_without(train_real, probe_ids), _without(regression, dev)) if probe_ids else real_demos
     if not real_demos:
         raise TrainStageError("the learning stage has no demonstrations: no train-side task has a reference answer")
     dev_info: dict[str, Any] = {"items": len(dev_tasks), "clusters": len({_md(x).get("cluster") for x in dev_tasks}),
@@ -395,9 +401,9 @@ def run_learning(
         dev_info["note"] = "no dev split (too few train-side failures): only the control trains"
 
     # 1. first pass over the real corrections and replay
-    per_epoch = math.ceil(len(real_demos) / t.batch_size)
+    per_epoch = math.ceil(len(first_demos) / t.batch_size)
     fp_steps = max(1, math.ceil(per_epoch * t.first_pass_epochs))
-    say("learn", {"status": "running", "phase": "first pass", "demonstrations": len(real_demos), "steps": fp_steps})
+    say("learn", {"status": "running", "phase": "first pass", "demonstrations": len(first_demos), "steps": fp_steps})
     # train.schedule = "one_run": first pass, an SFT arm's trial and its continuation are steps of one
     # schedule with one optimizer state, so a shipped control is plain SFT in one run (no warm-up restarts,
     # no AdamW moments reset between phases).
@@ -406,14 +412,15 @@ def run_learning(
     schedule_info = {"mode": t.schedule, **({"total_steps": total} if one_run else {}),
                      "synthesis_in": "stream" if stream else "trial"}
     clock = _Clock()
-    first = train_sft(cfg, store, artifacts, tracker, real_demos, base=base, steps=fp_steps,
+    first = train_sft(cfg, store, artifacts, tracker, first_demos, base=base, steps=fp_steps,
                       on_step=lambda s, m: say("learn", {"phase": "first pass", "step": s, "total": fp_steps,
                                                          "loss": m.get("loss")}),
                       schedule=(0, total) if one_run else None, keep_optimizer_state=one_run)
     wall, cpu = clock.done()
     first_info = {"base": base, "model_entity": first.model_entity, "model_version": first.model_version, "run_id": first.run_id,
-                  "mlflow_run_id": first.mlflow_run_id, "steps": first.steps, "demonstrations": len(real_demos), "tokens": _tokens(first), "cpu_s": cpu,
-                  "wall_s": wall, "epochs": t.first_pass_epochs, "loss": first.metrics.get("loss")}
+                  "mlflow_run_id": first.mlflow_run_id, "steps": first.steps, "demonstrations": len(first_demos), "tokens": _tokens(first), "cpu_s": cpu,
+                  "wall_s": wall, "epochs": t.first_pass_epochs, "loss": first.metrics.get("loss"),
+                  **({"probe_held_out": len(probe_ids)} if probe_ids else {})}
     ckpt = first.model_entity
 
     # 2. probe: what the first-pass model still gets wrong on train-side tasks aims the synthesis
@@ -590,6 +597,11 @@ def _regression_check(cfg: FlywheelConfig, tracker: Tracker, winner: ArmResult, 
             "cpu_s": cpu, "wall_s": wall}, demos
 
 
+def _probe_tasks(t: Any, train_real: Sequence[dict]) -> list[dict]:
+    """The train-side tasks the probe decodes: ``train.probe_tasks`` of them in a seeded hash order."""
+    return sorted(train_real, key=lambda x: digest(f"probe|{t.seed}|{x['task_id']}"))[: t.probe_tasks]
+
+
 def _probe_and_synthesize(cfg: FlywheelConfig, tracker: Tracker, version: int, train_real: Sequence[dict],
                           synthesize: Callable[[dict[str, int]], Any] | None, say: Progress) -> dict[str, Any]:
     """Greedy answers of the first-pass model on up to ``probe_tasks`` train-side tasks, counted by error
@@ -598,7 +610,7 @@ def _probe_and_synthesize(cfg: FlywheelConfig, tracker: Tracker, version: int, t
     from flywheel.synth.probe import plan_generators, run_probe
 
     t = cfg.train
-    tasks = sorted(train_real, key=lambda x: digest(f"probe|{t.seed}|{x['task_id']}"))[: t.probe_tasks]
+    tasks = _probe_tasks(t, train_real)
     say("learn", {"status": "running", "phase": "probe", "tasks": len(tasks)})
     clock = _Clock()
     policy = load_policy_for_version(cfg, tracker, cfg.cycle.model_name, version)

@@ -226,6 +226,11 @@ class TrainConfig(_Section):
         24, ge=0, description="mode = arms: train-side tasks the first-pass model answers greedily to count its error "
         "kinds, which aim the synthesis of the targeted arm (0: no probe).",
     )
+    probe_holdout: bool = Field(
+        False, description="synthesis_in = stream: keep the probe's tasks out of the first pass (they train in the "
+        "stream), so the probe counts errors on tasks the model has not trained on, as unseen requests are; off: "
+        "the probe decodes tasks the first pass has just trained on. Ignored when they would be over half the tasks.",
+    )
     rpo_beta: float = Field(0.1, gt=0.0, description="RPO/DPO: beta of the preference term (Rafailov et al. 2023).")
     rpo_alpha: float = Field(
         1.0, ge=0.0, description="RPO: weight of the NLL term on the chosen answer (Pang et al. 2024); 0 = plain DPO."

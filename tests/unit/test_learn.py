@@ -450,3 +450,59 @@ def test_the_scoreboard_says_which_first_pass_demonstrations_were_replayed_succe
               "arms": [{"name": "targeted", "steps": 18, "dev_items": 0, "detail": {"phase": "stream", "synthetic": 72}}]}
     assert _trained_how({"stages": {"learn": stream}}, 3, "policy") == (
         "SFT pass (12 steps, 96 corrections) + 18 more, 72 synthetic tasks joined, 1 regression items repeated")
+
+
+def test_probe_holdout_keeps_the_probes_tasks_out_of_the_first_pass_and_trains_them_in_the_stream(cfg, store, monkeypatch):
+    """train.probe_holdout: the tasks the probe decodes sit out the first pass, so it counts errors on
+    requests the model has not trained on (what unseen requests are); the stream trains every real
+    correction; more than half of the tasks are never held out; off, nothing changes."""
+    from types import SimpleNamespace
+
+    import flywheel.learn as learn
+    import flywheel.train.stage as stage
+    import flywheel.versioning as versioning
+
+    cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control", "targeted"], 4
+    cfg.train.synthesis_in, cfg.train.probe_holdout = "stream", True
+    cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.batch_size = 2, 3, 4
+    real = [{**_regression_task(100 + i), "task_id": f"eval:{i}",
+             "metadata": {"cluster": f"c{i}", "split": "train", "origin_outcome": "failure"}} for i in range(12)]
+    synth = [{**_regression_task(200 + i), "task_id": f"synth:{i}",
+              "metadata": {"cluster": "c0", "split": "train", "synth_batch": "synth:b", "origin_outcome": "synthetic"}}
+             for i in range(4)]
+    monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=real + synth))
+    monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
+    calls: list[dict] = []
+
+    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False, **kw):
+        calls.append({"ids": [d.source_entity_id for d in demos], "steps": steps})
+        v = len(calls) + 1
+        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
+                               steps=steps, metrics={}, history=[], optimizer_state={"from": v} if keep_optimizer_state else None)
+
+    probed: list[list[str]] = []
+
+    def fake_probe(cfg, tracker, version, train_real, synthesize, say):
+        probed.append([t["task_id"] for t in learn._probe_tasks(cfg.train, train_real)])
+        return {"tasks": 4, "counts": {"wrong_value": 1}, "plan": {"schema_values": 4}}
+
+    monkeypatch.setattr(stage, "train_sft", fake_sft)
+    monkeypatch.setattr(learn, "_probe_and_synthesize", fake_probe)
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
+    first, shipped = calls
+    (held,) = probed
+    assert len(held) == 4 and not set(held) & set(first["ids"])  # the probe decodes what the first pass never saw
+    assert sorted(first["ids"]) == sorted(t["task_id"] for t in real if t["task_id"] not in held)
+    assert first["steps"] == 2  # 8 demonstrations / batch 4
+    assert set(held) <= set(shipped["ids"]) and {t["task_id"] for t in real} <= set(shipped["ids"])
+    assert r.first_pass["demonstrations"] == 8 and r.first_pass["probe_held_out"] == 4
+    # more than half of the tasks: nothing is held out
+    calls.clear()
+    cfg.train.probe_tasks = 7
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
+    assert len(calls[0]["ids"]) == 12 and "probe_held_out" not in r.first_pass
+    # off (the default): the first pass trains every real correction
+    calls.clear()
+    cfg.train.probe_tasks, cfg.train.probe_holdout = 4, False
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
+    assert len(calls[0]["ids"]) == 12 and r.first_pass["demonstrations"] == 12
