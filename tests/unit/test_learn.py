@@ -208,6 +208,19 @@ def _regression_task(i: int) -> dict:
             "reference": {"tool_calls": [{"name": "precipitation_stats", "arguments": {"city": f"c{i}"}}]}}
 
 
+def _real_tasks(n: int) -> list[dict]:
+    """``n`` train-side real failures with a reference answer, one cluster each (``eval:0`` ...)."""
+    return [{**_regression_task(100 + i), "task_id": f"eval:{i}",
+             "metadata": {"cluster": f"c{i}", "split": "train", "origin_outcome": "failure"}} for i in range(n)]
+
+
+def _synth_tasks(n: int) -> list[dict]:
+    """``n`` synthetic tasks of one synthesis batch (``synth:b``)."""
+    return [{**_regression_task(200 + i), "task_id": f"synth:{i}",
+             "metadata": {"cluster": "c0", "split": "train", "synth_batch": "synth:b", "origin_outcome": "synthetic"}}
+            for i in range(n)]
+
+
 def test_the_regression_items_the_trial_model_fails_join_the_continuation_repeated():
     """Issue 30: the gate refuses a challenger that fails a regression item the champion passes (one such item
     refused a 12-to-4 cycle-2 challenger). The items the chosen arm's trial model fails come back, repeated,
@@ -294,11 +307,7 @@ def test_the_stage_scores_the_dev_loss_of_tied_trials_only_and_ships_the_lower(c
 
     cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control", "targeted"], 0
     cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.dev_min_items, cfg.train.batch_size = 1, 2, 2, 4
-    real = [{**_regression_task(100 + i), "task_id": f"eval:{i}",
-             "metadata": {"cluster": f"c{i}", "split": "train", "origin_outcome": "failure"}} for i in range(12)]
-    synth = [{**_regression_task(200 + i), "task_id": f"synth:{i}",
-              "metadata": {"cluster": "c0", "split": "train", "synth_batch": "synth:b", "origin_outcome": "synthetic"}}
-             for i in range(4)]
+    real, synth = _real_tasks(12), _synth_tasks(4)
     monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=real + synth))
     monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
     bases: list[str] = []
@@ -349,11 +358,7 @@ def test_synthesis_in_stream_ships_the_first_pass_continued_on_real_and_syntheti
     cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control", "targeted", "rpo"], 8
     cfg.train.synthesis_in = "stream"
     cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.dev_min_items, cfg.train.batch_size = 2, 3, 2, 4
-    real = [{**_regression_task(100 + i), "task_id": f"eval:{i}",
-             "metadata": {"cluster": f"c{i}", "split": "train", "origin_outcome": "failure"}} for i in range(12)]
-    synth = [{**_regression_task(200 + i), "task_id": f"synth:{i}",
-              "metadata": {"cluster": "c0", "split": "train", "synth_batch": "synth:b", "origin_outcome": "synthetic"}}
-             for i in range(4)]
+    real, synth = _real_tasks(12), _synth_tasks(4)
     regression = [_regression_task(i) for i in range(3)]
     env_tasks = real + synth
     monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=env_tasks))
@@ -465,11 +470,7 @@ def test_probe_holdout_keeps_the_probes_tasks_out_of_the_first_pass_and_trains_t
     cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control", "targeted"], 4
     cfg.train.synthesis_in, cfg.train.probe_holdout = "stream", True
     cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.batch_size = 2, 3, 4
-    real = [{**_regression_task(100 + i), "task_id": f"eval:{i}",
-             "metadata": {"cluster": f"c{i}", "split": "train", "origin_outcome": "failure"}} for i in range(12)]
-    synth = [{**_regression_task(200 + i), "task_id": f"synth:{i}",
-              "metadata": {"cluster": "c0", "split": "train", "synth_batch": "synth:b", "origin_outcome": "synthetic"}}
-             for i in range(4)]
+    real, synth = _real_tasks(12), _synth_tasks(4)
     monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=real + synth))
     monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
     calls: list[dict] = []
