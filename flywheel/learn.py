@@ -9,7 +9,8 @@ evidence that is not the held-out suite.
                    held-out suite; the gate stays the only judge of held-out items)
     first pass     SFT over every real train-side correction + replay (earlier waves' corrections, the
                    champion's verified successes from the regression suite), ``first_pass_epochs`` full
-                   passes, before any synthetic example
+                   passes, before any synthetic example; with ``first_pass_seen`` < 1, only that share of the
+                   corrections the base already trained on (in its lineage) rejoins it
     probe          greedy answers of the first-pass model on train-side tasks, labelled by the derived
                    verifiers, counted by error kind; the counts aim the synthesis (``flywheel.synth.probe``)
     arms           from the first-pass checkpoint, each within the same budget (``arm_steps`` optimizer
@@ -386,7 +387,13 @@ def run_learning(
     probe_ids = ({x["task_id"] for x in _probe_tasks(t, train_real)} if t.probe_holdout and stream else set())
     if 2 * len(probe_ids) > len(train_real):
         probe_ids = set()
-    first_demos = _demos(_without(train_real, probe_ids), _without(regression, dev)) if probe_ids else real_demos
+    # train.first_pass_seen < 1: of the corrections the base already trained on (cycle 2's champion: wave 1's),
+    # only a seeded sample rejoins the first pass; the new ones train in full
+    seen, resting = _seen_corrections(store, base, train_real, t.first_pass_seen, seed=t.seed)
+    if len(resting | probe_ids) >= len(train_real):
+        resting = set()  # never an empty first pass
+    skip = probe_ids | resting
+    first_demos = _demos(_without(train_real, skip), _without(regression, dev)) if skip else real_demos
     if not real_demos:
         raise TrainStageError("the learning stage has no demonstrations: no train-side task has a reference answer")
     dev_info: dict[str, Any] = {"items": len(dev_tasks), "clusters": len({_md(x).get("cluster") for x in dev_tasks}),
@@ -420,7 +427,8 @@ def run_learning(
     first_info = {"base": base, "model_entity": first.model_entity, "model_version": first.model_version, "run_id": first.run_id,
                   "mlflow_run_id": first.mlflow_run_id, "steps": first.steps, "demonstrations": len(first_demos), "tokens": _tokens(first), "cpu_s": cpu,
                   "wall_s": wall, "epochs": t.first_pass_epochs, "loss": first.metrics.get("loss"),
-                  **({"probe_held_out": len(probe_ids)} if probe_ids else {})}
+                  **({"probe_held_out": len(probe_ids)} if probe_ids else {}),
+                  **({"seen_by_base": len(seen), "seen_replayed": len(seen) - len(resting)} if seen else {})}
     ckpt = first.model_entity
 
     # 2. probe: what the first-pass model still gets wrong on train-side tasks aims the synthesis
@@ -595,6 +603,23 @@ def _regression_check(cfg: FlywheelConfig, tracker: Tracker, winner: ArmResult, 
     return {"model_entity": winner.model_entity, "items": len(checked), "suite_items": len(regression), "passed": n,
             "failed": failed, "copies": t.regression_repair, "demonstrations": len(demos),
             "cpu_s": cpu, "wall_s": wall}, demos
+
+
+def _seen_corrections(store: EventStore, base: str, train_real: Sequence[dict], share: float, *,
+                      seed: int) -> tuple[set[str], set[str]]:
+    """(the train-side tasks ``base`` already trained on, those of them that sit out the first pass).
+
+    A task is *seen* when its eval is in the base model's lineage (what its training runs were made from);
+    a base that is a spec (the cycle-1 base model) has seen none. With ``share`` < 1 all but a seeded
+    ``ceil(share x seen)`` of them sit out: the first pass rehearses a sample of what the champion learned
+    and spends the rest of its steps on the corrections it has not trained on.
+    """
+    if share >= 1.0 or not base.startswith("model:"):
+        return set(), set()
+    ids = {x["task_id"] for x in train_real}
+    seen = {e for e, _ in store.lineage(base, "down") if e in ids}
+    order = sorted(seen, key=lambda i: digest(f"seen|{seed}|{i}"))
+    return seen, set(order[math.ceil(share * len(seen)):])
 
 
 def _probe_tasks(t: Any, train_real: Sequence[dict]) -> list[dict]:

@@ -231,6 +231,13 @@ class TrainConfig(_Section):
         "stream), so the probe counts errors on tasks the model has not trained on, as unseen requests are; off: "
         "the probe decodes tasks the first pass has just trained on. Ignored when they would be over half the tasks.",
     )
+    first_pass_seen: float = Field(
+        1.0, ge=0.0, le=1.0, description="mode = arms: the share of the corrections the base model already trained on "
+        "(those in its lineage: from cycle 2 on, the champion's own training data) that rejoin the first pass, a "
+        "seeded sample; the new corrections and the regression suite's replay always train. 1: every one (a full "
+        "pass over all waves). Below 1 the first pass spends its steps on what the champion has not learned yet and "
+        "rehearses the rest; every real correction still joins the data of the steps after it.",
+    )
     rpo_beta: float = Field(0.1, gt=0.0, description="RPO/DPO: beta of the preference term (Rafailov et al. 2023).")
     rpo_alpha: float = Field(
         1.0, ge=0.0, description="RPO: weight of the NLL term on the chosen answer (Pang et al. 2024); 0 = plain DPO."

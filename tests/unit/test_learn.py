@@ -455,6 +455,11 @@ def test_the_scoreboard_says_which_first_pass_demonstrations_were_replayed_succe
               "arms": [{"name": "targeted", "steps": 18, "dev_items": 0, "detail": {"phase": "stream", "synthetic": 72}}]}
     assert _trained_how({"stages": {"learn": stream}}, 3, "policy") == (
         "SFT pass (12 steps, 96 corrections) + 18 more, 72 synthetic tasks joined, 1 regression items repeated")
+    # train.first_pass_seen < 1: the first pass says how many of the champion's corrections it rehearsed
+    seen = {**stream, "first_pass": {"steps": 9, "demonstrations": 68, "seen_by_base": 96, "seen_replayed": 24},
+            "dev": {"replay": 14, "items": 0}}
+    assert _trained_how({"stages": {"learn": seen}}, 3, "policy").startswith(
+        "SFT pass (9 steps, 68 demonstrations, 14 of them replayed successes, 24 of 96 earlier corrections) + 18 more")
 
 
 def test_probe_holdout_keeps_the_probes_tasks_out_of_the_first_pass_and_trains_them_in_the_stream(cfg, store, monkeypatch):
@@ -507,3 +512,61 @@ def test_probe_holdout_keeps_the_probes_tasks_out_of_the_first_pass_and_trains_t
     cfg.train.probe_tasks, cfg.train.probe_holdout = 4, False
     r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
     assert len(calls[0]["ids"]) == 12 and r.first_pass["demonstrations"] == 12
+
+
+def test_first_pass_seen_rehearses_a_sample_of_what_the_base_trained_on_and_trains_the_new_corrections(cfg, store, monkeypatch):
+    """train.first_pass_seen: cycle 2's first pass spent 18 steps over wave 1's corrections, which the
+    champion had trained on (loss 0.05), and wave 2's new ones. Below 1, only a seeded share of the corrections
+    in the base's lineage rejoins the first pass, every new one trains, and the stream trains them all; a
+    base with no lineage (cycle 1) and the default 1.0 train every correction first."""
+    from types import SimpleNamespace
+
+    import flywheel.learn as learn
+    import flywheel.train.stage as stage
+    import flywheel.versioning as versioning
+    from flywheel.store import NewEvent
+
+    cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control", "targeted"], 4
+    cfg.train.synthesis_in, cfg.train.first_pass_seen = "stream", 0.25
+    cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.batch_size = 2, 3, 4
+    real, synth = _real_tasks(12), _synth_tasks(4)
+    seen = [t["task_id"] for t in real[:8]]  # wave 1's corrections: the champion trained on them
+    store.append("run:r1", NewEvent("training.completed", {"steps": 3}, seen))
+    store.append("model:policy/2", NewEvent("model.registered", {"version": 2}, ["run:r1"]))
+    monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=real + synth))
+    monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
+    calls: list[dict] = []
+
+    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False, **kw):
+        calls.append({"ids": [d.source_entity_id for d in demos], "steps": steps})
+        v = len(calls) + 2
+        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
+                               steps=steps, metrics={}, history=[], optimizer_state={"from": v} if keep_optimizer_state else None)
+
+    monkeypatch.setattr(stage, "train_sft", fake_sft)
+    monkeypatch.setattr(learn, "_probe_and_synthesize", lambda *a: {"tasks": 4, "counts": {}, "plan": {"mutate": 4}})
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="model:policy/2")
+    first, shipped = calls
+    new = [t["task_id"] for t in real[8:]]
+    rehearsed = set(first["ids"]) & set(seen)
+    assert set(new) <= set(first["ids"]) and len(rehearsed) == 2 and len(first["ids"]) == 6  # ceil(0.25 x 8) + 4 new
+    assert first["steps"] == 2  # 6 demonstrations / batch 4
+    assert {t["task_id"] for t in real} <= set(shipped["ids"])  # every correction joins the stream
+    assert r.first_pass["seen_by_base"] == 8 and r.first_pass["seen_replayed"] == 2
+    # the sample is seeded: the same seed rehearses the same corrections
+    calls.clear()
+    learn.run_learning(cfg, store, None, _QuietTracker(), base="model:policy/2")
+    assert set(calls[0]["ids"]) & set(seen) == rehearsed
+    # a base with no lineage (the cycle-1 base model) and the default share: every correction trains first
+    for base, share in (("tiny", 0.25), ("model:policy/2", 1.0)):
+        calls.clear()
+        cfg.train.first_pass_seen = share
+        r = learn.run_learning(cfg, store, None, _QuietTracker(), base=base)
+        assert len(calls[0]["ids"]) == 12 and "seen_by_base" not in r.first_pass
+    # nothing new and a share of 0: the first pass is never empty, it trains every correction
+    calls.clear()
+    cfg.train.first_pass_seen = 0.0
+    store.append("run:r2", NewEvent("training.completed", {"steps": 3}, [t["task_id"] for t in real]))
+    store.append("model:policy/9", NewEvent("model.registered", {"version": 9}, ["run:r2"]))
+    learn.run_learning(cfg, store, None, _QuietTracker(), base="model:policy/9")
+    assert len(calls[0]["ids"]) == 12
