@@ -429,6 +429,15 @@ class EventStore:
     def _table_batches(self, table: str) -> pa.RecordBatchReader:  # pragma: no cover - every backend overrides
         raise NotImplementedError
 
+    def lineage(self, entity_id: str, direction: str = "down", max_depth: int = 64) -> list[tuple[str, int]]:
+        """Ancestors (``down``: what it was made from) or descendants (``up``: what it made), each with
+        its shortest depth."""
+        raise NotImplementedError  # pragma: no cover - every backend overrides
+
+    def lineage_edges(self, entity_id: str, max_depth: int = 64) -> list[tuple[str, str]]:
+        """The (child, parent) causation edges below ``entity_id``."""
+        raise NotImplementedError  # pragma: no cover - every backend overrides
+
     def entity_states(self, entity_ids: Sequence[str]) -> dict[str, str]:
         """The current state (latest payload, JSON text) of each of these entities that exists."""
         return {k: v for k, (v, _) in self.entity_heads(entity_ids).items()}
