@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -35,6 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode_threads import _cpu  # noqa: E402  (process CPU-seconds, user + system)
 
 
 def bfcl_prompts(k: int) -> list[tuple[list[dict], list[dict]]]:
@@ -56,11 +57,6 @@ def bfcl_prompts(k: int) -> list[tuple[list[dict], list[dict]]]:
                 rec = recs[i]
                 out.append((rec["question"][0], [{"type": "function", "function": fn} for fn in rec["function"]]))
     return out
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def main() -> None:

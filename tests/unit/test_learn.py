@@ -462,6 +462,20 @@ def test_the_scoreboard_says_which_first_pass_demonstrations_were_replayed_succe
         "SFT pass (9 steps, 68 demonstrations, 14 of them replayed successes, 24 of 96 earlier corrections) + 18 more")
 
 
+def _recording_sft(calls: list[dict], *, first_version: int):
+    """A ``train_sft`` stand-in that records the demonstrations of each call and registers versions from
+    ``first_version`` on (the in-memory optimizer state names the version it came from)."""
+    from types import SimpleNamespace
+
+    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False, **kw):
+        calls.append({"ids": [d.source_entity_id for d in demos], "steps": steps})
+        v = len(calls) + first_version - 1
+        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
+                               steps=steps, metrics={}, history=[], optimizer_state={"from": v} if keep_optimizer_state else None)
+
+    return fake_sft
+
+
 def test_probe_holdout_keeps_the_probes_tasks_out_of_the_first_pass_and_trains_them_in_the_stream(cfg, store, monkeypatch):
     """train.probe_holdout: the tasks the probe decodes sit out the first pass, so it counts errors on
     requests the model has not trained on (what unseen requests are); the stream trains every real
@@ -480,11 +494,7 @@ def test_probe_holdout_keeps_the_probes_tasks_out_of_the_first_pass_and_trains_t
     monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
     calls: list[dict] = []
 
-    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False, **kw):
-        calls.append({"ids": [d.source_entity_id for d in demos], "steps": steps})
-        v = len(calls) + 1
-        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
-                               steps=steps, metrics={}, history=[], optimizer_state={"from": v} if keep_optimizer_state else None)
+    fake_sft = _recording_sft(calls, first_version=2)
 
     probed: list[list[str]] = []
 
@@ -537,11 +547,7 @@ def test_first_pass_seen_rehearses_a_sample_of_what_the_base_trained_on_and_trai
     monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
     calls: list[dict] = []
 
-    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False, **kw):
-        calls.append({"ids": [d.source_entity_id for d in demos], "steps": steps})
-        v = len(calls) + 2
-        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
-                               steps=steps, metrics={}, history=[], optimizer_state={"from": v} if keep_optimizer_state else None)
+    fake_sft = _recording_sft(calls, first_version=3)  # model:policy/2 is the base
 
     monkeypatch.setattr(stage, "train_sft", fake_sft)
     monkeypatch.setattr(learn, "_probe_and_synthesize", lambda *a: {"tasks": 4, "counts": {}, "plan": {"mutate": 4}})
