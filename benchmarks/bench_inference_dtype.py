@@ -39,24 +39,12 @@ from bench_decode_threads import _cpu  # noqa: E402  (process CPU-seconds, user 
 
 
 def bfcl_prompts(k: int) -> list[tuple[list[dict], list[dict]]]:
-    """``k`` BFCL questions with their function specs, taken in turn from the demo's four categories."""
-    import importlib.util
+    """``k`` BFCL questions (messages, tools), taken in turn from the demo's four categories."""
+    from flywheel.verifiers.bfcl import load_bfcl
 
-    spec = importlib.util.find_spec("bfcl_eval")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("bench_inference_dtype needs the bfcl-eval package (make setup installs it)")
-    data = Path(next(iter(spec.submodule_search_locations))) / "data"
-    per_cat = []
-    for cat in ("simple_python", "multiple", "parallel", "parallel_multiple"):
-        with (data / f"BFCL_v4_{cat}.json").open() as f:
-            per_cat.append([json.loads(line) for _, line in zip(range(k), f, strict=False)])
-    out = []
-    for i in range(k):
-        for recs in per_cat:
-            if len(out) < k and i < len(recs):
-                rec = recs[i]
-                out.append((rec["question"][0], [{"type": "function", "function": fn} for fn in rec["function"]]))
-    return out
+    per_cat = [load_bfcl(cat, limit=k) for cat in ("simple_python", "multiple", "parallel", "parallel_multiple")]
+    out = [(items[i].question_messages, items[i].tools) for i in range(k) for items in per_cat if i < len(items)]
+    return out[:k]
 
 
 def main() -> None:
@@ -84,8 +72,7 @@ def main() -> None:
     arms = ("float32", "bfloat16")
     policies = {dt: HFPolicy.from_spec(a.model, Path(a.home), device="cpu", dtype=dt) for dt in arms}
     tok = policies["float32"].tokenizer
-    prompts = [tok(render_prompt(tok, [q] if isinstance(q, dict) else q, t), add_special_tokens=False)["input_ids"]
-               for q, t in bfcl_prompts(max(widths))]
+    prompts = [tok(render_prompt(tok, q, t), add_special_tokens=False)["input_ids"] for q, t in bfcl_prompts(max(widths))]
     log(f"cpu: {cpu['model']}, avx512_bf16={cpu['avx512_bf16']} amx_bf16={cpu['amx_bf16']}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
         f"tokens; load {os.getloadavg()[0]:.2f}")
