@@ -16,7 +16,9 @@ What it measures (threads: torch's default, printed):
     8 BFCL demonstrations (4 simple_python, 2 multiple, 2 parallel) rendered by
     :func:`flywheel.train.sft.demonstration_samples`, :class:`flywheel.train.trainer.Trainer` with
     ``objective="sft"``, ``micro_batch_tokens=2048`` as the demo's cpu profile. One untimed warm-up step,
-    then the best of the timed steps. FLOPs, with P = the matmul parameters (30 layers' linears
+    then the best of the timed steps, with the lean layers compiled (``train.compile_lean_layers``, auto:
+    on for this model on a CPU), then as many steps with their eager formulas, the peer, and the ratio.
+    FLOPs, with P = the matmul parameters (30 layers' linears
     106.2M + the tied output layer 28.3M = 134.5M; the embedding lookup is no matmul), T = tokens
     through the model (prompt + answer, no padding), T_loss = answer tokens, L = 30 layers,
     d = 576 (heads x head dim), S = each sequence's length, P_lora = adapter parameters:
@@ -213,12 +215,32 @@ def sft_step(model, samples, steps: int, mp: dict, profile: bool) -> dict:
     tr = Trainer(model, TrainerOptions(objective="sft", lr=1e-3, total_steps=steps + 3, temperature=1.0,
                                        max_completion_len=96, train=tc), device="cpu")
     p_lora = tr.n_trainable
-    tr.step(samples)  # warm-up: lazy imports, optimizer state, allocator
-    timed, m = [], None
-    for _ in range(steps):
-        c0, t0 = time.process_time(), time.perf_counter()
-        m = tr.step(samples)
-        timed.append((time.perf_counter() - t0, time.process_time() - c0))
+    c0, t0 = time.process_time(), time.perf_counter()
+    tr.step(samples)  # warm-up: lazy imports, optimizer state, allocator (and the lean layers' compile)
+    warmup = (time.perf_counter() - t0, time.process_time() - c0)
+
+    def timed_steps():
+        out, last = [], None
+        for _ in range(steps):
+            c0, t0 = time.process_time(), time.perf_counter()
+            last = tr.step(samples)
+            out.append((time.perf_counter() - t0, time.process_time() - c0))
+        return out, last
+
+    timed, m = timed_steps()
+    # The peer: the same trainer with the lean layers' eager formulas (train.compile_lean_layers = off),
+    # timed in this run. Its steps continue the same optimizer, which changes no shape and no cost.
+    compiled = tr.compiled_layers
+    eager = None
+    if compiled:
+        from flywheel.kernels.fused_layers import patch_for_training
+
+        from flywheel.train.trainer import unwrap
+
+        patch_for_training(unwrap(tr.policy), compiled=False)
+        e_timed, _ = timed_steps()
+        patch_for_training(unwrap(tr.policy), compiled=True)
+        eager = {"s": min(w for w, _ in e_timed), "cpu_s": min(c for _, c in e_timed), "s_all": [w for w, _ in e_timed]}
     sec, cpu = min(timed)
     secs = [w for w, _ in timed]
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
@@ -228,7 +250,8 @@ def sft_step(model, samples, steps: int, mp: dict, profile: bool) -> dict:
     flops = {"6PT": 6 * p * t + 3 * a,
              "LoRA 4PT": 4 * p * t + 6 * p_lora * t + 3 * a,
              "needed": 4 * mp["body"] * t + 4 * mp["head"] * t_loss + 6 * p_lora * t + 3 * a}
-    res = {"s": sec, "cpu_s": cpu, "cores_busy": cpu / sec, "s_all": secs, "tokens": t, "loss_tokens": t_loss, "trainer_tokens": m.tokens,
+    res = {"s": sec, "cpu_s": cpu, "cores_busy": cpu / sec, "s_all": secs, "warmup_s": warmup[0],
+           "compiled_lean_layers": compiled, "eager_lean_layers": eager, "tokens": t, "loss_tokens": t_loss, "trainer_tokens": m.tokens,
            "lora_params": p_lora, "attn_flops_share_6pt": 3 * a / flops["6PT"], "flops": flops,
            "gflops": {k: v / sec / 1e9 for k, v in flops.items()},
            "gflops_per_cpu_s": {k: v / cpu / 1e9 for k, v in flops.items()}}
@@ -383,6 +406,13 @@ def report(res: dict, peak: float) -> None:
           f"({p['tokens']} real of {p['padded_tokens']} padded tokens); decode {d['s_per_token'] * 1e3:.1f} ms/token "
           f"after a {d['prompt_tokens']}-token prompt; copy bandwidth {res['copy_gbps']:.1f} GB/s at the start, "
           f"{res['copy_gbps_after_decode']:.1f} after decoding")
+    if s.get("eager_lean_layers"):
+        e = s["eager_lean_layers"]
+        print(f"SFT step with the lean layers compiled (train.compile_lean_layers) {s['s']:.2f} s vs eager (the peer, same "
+              f"run) {e['s']:.2f} s: x{e['s'] / s['s']:.2f} (CPU-s {s['cpu_s']:.2f} vs {e['cpu_s']:.2f}); the warm-up step "
+              f"with the compile took {s['warmup_s']:.1f} s")
+    elif "compiled_lean_layers" in s:
+        print("SFT step: lean layers eager (train.compile_lean_layers resolved to off)")
     if "profile" in s:
         pr = s["profile"]
         print("SFT step time by kind of op (profiled step, self CPU time): "

@@ -287,6 +287,12 @@ class TrainConfig(_Section):
     lean_layers: bool = Field(
         True, description="MLPs and RMSNorms that keep fewer activations for backward (flywheel.kernels.fused_layers)."
     )
+    compile_lean_layers: Literal["auto", "on", "off"] = Field(
+        "auto", description="Run the lean layers' elementwise math through torch.compile (one fused loop per "
+        "function instead of ~8 eager passes; falls back to eager with a warning where compiling fails). auto: on "
+        "for CPU training of a model whose MLP is at least 1024 wide (SmolLM2-135M's 1536: the SFT step ~15% faster "
+        "in bf16), off for narrower ones, where the seconds of the first compile are not repaid.",
+    )
     release_memory: bool = Field(
         True, description="On CPU, hand the freed heap back to the OS after each optimizer step (glibc malloc_trim)."
     )

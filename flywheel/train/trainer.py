@@ -269,6 +269,18 @@ def apply_lora(
     return get_peft_model(model, cfg)
 
 
+# auto: the narrowest MLP whose elementwise work repays the first compile (module docstring of fused_layers)
+COMPILE_MIN_MLP_WIDTH = 1024
+
+
+def compile_lean_layers(setting: str, model: Any, device: torch.device) -> bool:
+    """Whether the lean layers run compiled (``train.compile_lean_layers``)."""
+    if setting != "auto":
+        return setting == "on"
+    width = getattr(getattr(model, "config", None), "intermediate_size", None)
+    return device.type == "cpu" and isinstance(width, int) and width >= COMPILE_MIN_MLP_WIDTH
+
+
 def cosine_with_warmup(step: int, *, warmup: int, total: int, min_ratio: float = 0.0) -> float:
     """LR multiplier: linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``.
 
@@ -462,8 +474,10 @@ class Trainer:
         if options.objective != "sft" and t.objective.beta > 0 and not self.is_lora:
             self.ref_model = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
         self.lean_layers: dict[str, int] = {}
+        self.compiled_layers = False
         if t.lean_layers:
-            self.lean_layers = patch_for_training(unwrap(model))
+            self.compiled_layers = compile_lean_layers(t.compile_lean_layers, unwrap(model), self.device)
+            self.lean_layers = patch_for_training(unwrap(model), compiled=self.compiled_layers)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("no trainable parameters (LoRA found no target modules?)")

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
-from flywheel.kernels.fused_layers import patch_for_training, rms_norm, silu_mul
+from flywheel.kernels import fused_layers
+from flywheel.kernels.fused_layers import compile_failure, patch_for_training, rms_norm, silu_mul
+
+from flywheel.train.trainer import COMPILE_MIN_MLP_WIDTH, compile_lean_layers
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,7 +51,8 @@ def test_gradcheck_in_float64():
     assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-6), (x, w))
 
 
-def test_patched_llama_gives_the_same_loss_and_gradients_and_keeps_fewer_activations():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_patched_llama_gives_the_same_loss_and_gradients_and_keeps_fewer_activations(compiled):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -55,7 +60,7 @@ def test_patched_llama_gives_the_same_loss_and_gradients_and_keeps_fewer_activat
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     ref = LlamaForCausalLM(cfg).train()
     lean = copy.deepcopy(ref)
-    assert patch_for_training(lean) == {"mlp": 2, "rmsnorm": 5}  # 2 per layer + the final norm
+    assert patch_for_training(lean, compiled=compiled) == {"mlp": 2, "rmsnorm": 5}  # 2 per layer + the final norm
     ids = torch.randint(0, 101, (3, 17))
 
     def run(model):
@@ -71,6 +76,71 @@ def test_patched_llama_gives_the_same_loss_and_gradients_and_keeps_fewer_activat
     for n, gr in grads_ref.items():
         torch.testing.assert_close(grads_lean[n], gr, atol=1e-5, rtol=1e-4, msg=n)
     assert saved_lean < saved_ref  # fewer elements kept for backward
+    assert compile_failure() is None  # the compiled run really ran compiled, not the eager fallback
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_compiled_formulas_match_the_eager_ones_in_bf16(batch):
+    """What the cpu demo profile trains with (bf16 weights, float32 math inside): the compiled path gives
+    the eager path's values and gradients, for a batch of one (flattened, so no shape specialisation)
+    and of three."""
+    torch.manual_seed(1)
+    gate = torch.randn(batch, 37, 48, dtype=torch.bfloat16)
+    up = torch.randn(batch, 37, 48, dtype=torch.bfloat16)
+    x = torch.randn(batch, 37, 24, dtype=torch.bfloat16)
+    weight = torch.randn(24, dtype=torch.bfloat16)
+    grad_a, grad_b = torch.randn_like(gate), torch.randn_like(x)  # fixed, so both backwards get the same input
+
+    def run(compiled):
+        g, u, xx, w = (t.clone().requires_grad_() for t in (gate, up, x, weight))
+        a = silu_mul(g, u, compiled=compiled)
+        b = rms_norm(xx, w, 1e-5, compiled=compiled)
+        torch.autograd.backward([a, b], [grad_a, grad_b])
+        return [a, b, g.grad, u.grad, xx.grad, w.grad]
+
+    eager, comp = run(False), run(True)
+    assert compile_failure() is None
+    for name, e, c in zip(["silu_mul", "rms_norm", "d_gate", "d_up", "d_x", "d_weight"], eager, comp, strict=True):
+        assert c.shape == e.shape and c.dtype == e.dtype, name
+        # the same formulas with eager's roundings (emulate_precision_casts): equal up to one bf16 ulp where a
+        # float32 sum's order differs (d_weight); 1/128 is one ulp relative to the value
+        torch.testing.assert_close(c, e, atol=1e-6, rtol=1 / 128, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_failed_compile_falls_back_to_the_eager_formulas_with_one_warning(monkeypatch, caplog):
+    def no_compiler(*a, **k):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(fused_layers._Compiled, "failed", None)
+    fn = fused_layers._Compiled(fused_layers._silu_mul_fwd)
+    g, u = torch.randn(4, 6), torch.randn(4, 6)
+    with caplog.at_level(logging.WARNING, logger="flywheel.kernels.fused_layers"):
+        out = fn(g, u)
+        again = fn(g, u)
+    torch.testing.assert_close(out, torch.nn.functional.silu(g) * u)
+    torch.testing.assert_close(again, out)
+    assert "No working C++ compiler" in (compile_failure() or "")
+    warnings = [r for r in caplog.records if "torch.compile failed" in r.getMessage()]
+    assert len(warnings) == 1  # once per process, not once per call
+
+
+def test_compile_lean_layers_auto_compiles_wide_mlps_on_cpu_only():
+    class Cfg:
+        def __init__(self, width):
+            self.intermediate_size = width
+
+    class M:
+        def __init__(self, width):
+            self.config = Cfg(width)
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_lean_layers("auto", M(1536), cpu) is True  # SmolLM2-135M
+    assert compile_lean_layers("auto", M(COMPILE_MIN_MLP_WIDTH - 1), cpu) is False  # the tiny test model's kind
+    assert compile_lean_layers("auto", M(1536), cuda) is False
+    assert compile_lean_layers("auto", object(), cpu) is False  # no config: nothing to judge by
+    assert compile_lean_layers("on", M(8), cuda) is True
+    assert compile_lean_layers("off", M(4096), cpu) is False
 
 
 def test_unknown_modules_are_left_alone():
