@@ -165,6 +165,8 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight, rstd = ctx.saved_tensors
         shape = x.shape
+        bwd_x: Callable[..., torch.Tensor]
+        bwd_w: Callable[..., torch.Tensor]
         if ctx.compiled:
             x, grad = _rows(x), _rows(grad)
             bwd_x, bwd_w = _rms_bwd_x_c, _rms_bwd_w_c
@@ -204,11 +206,11 @@ def patch_for_training(model: torch.nn.Module, *, compiled: bool = False) -> dic
     for module in model.modules():
         name = type(module).__name__
         if name in MLP_CLASSES and _is_silu(getattr(module, "act_fn", None)):
-            module._flywheel_compiled = compiled
+            object.__setattr__(module, "_flywheel_compiled", compiled)  # a plain flag, not a parameter or buffer
             module.forward = types.MethodType(_mlp_forward, module)
             counts["mlp"] += 1
         elif name in NORM_CLASSES:
-            module._flywheel_compiled = compiled
+            object.__setattr__(module, "_flywheel_compiled", compiled)
             module.forward = types.MethodType(_rms_forward, module)
             counts["rmsnorm"] += 1
     return counts
