@@ -413,12 +413,14 @@ def _trained_how(cycle: dict[str, Any], version: int, name: str) -> str:
                 else f"{fp.get('demonstrations')} corrections")
         if fp.get("seen_by_base"):  # train.first_pass_seen < 1: a sample of what the champion trained on
             data += f", {fp.get('seen_replayed')} of {fp['seen_by_base']} earlier corrections"
+        bl = learn.get("blend") or {}  # train.champion_blend < 1: the update kept at that share
+        blend = f", blended {bl['weight']:g} with the champion" if bl.get("model_entity") else ""
         if (arm.get("detail") or {}).get("phase") == "stream":  # train.synthesis_in = stream: no trial, no dev
             synth = (arm.get("detail") or {}).get("synthetic")
             joined = f", {synth} synthetic tasks joined" if synth else ", no synthetic task: plain SFT"
-            return f"SFT pass ({fp.get('steps')} steps, {data}) + {arm.get('steps')} more{joined}{rep}"
+            return f"SFT pass ({fp.get('steps')} steps, {data}) + {arm.get('steps')} more{joined}{rep}{blend}"
         return (f"SFT pass ({fp.get('steps')} steps, {data}) + "
-                f"{learn.get('chosen')} arm ({arm.get('steps')} steps{cont}{dev}){fold}")
+                f"{learn.get('chosen')} arm ({arm.get('steps')} steps{cont}{dev}){fold}{blend}")
     parts = []
     sft, grpo = st.get("sft") or {}, st.get("grpo") or {}
     if sft.get("model_version") is not None and sft["model_version"] <= version:

@@ -125,6 +125,7 @@ class LearnResult:
     continuation: dict[str, Any] | None = None
     fold_in: dict[str, Any] | None = None
     regression: dict[str, Any] | None = None  # the pre-continuation check on the regression suite
+    blend: dict[str, Any] | None = None  # train.champion_blend < 1: the shipped blend with the champion (or why not)
     mode: str = "arms"
     schedule: dict[str, Any] = field(default_factory=dict)  # train.schedule and, for one_run, its total steps
     metrics: dict[str, float] = field(default_factory=dict)
@@ -447,10 +448,12 @@ def run_learning(
                f"and {arm.detail.get('synthetic', 0)} synthetic tasks; no trial, no dev split")
         if arm.name == "control":
             why = "train.synthesis_in = stream, but no synthetic task was accepted: the control's stream ships"
-        tracker.set_alias(cfg.cycle.model_name, "challenger", arm.model_version)
-        result = LearnResult(learn_id=learn_id, model_version=arm.model_version, model_entity=arm.model_entity,
+        version, entity, blend = _blend(cfg, store, tracker, arm.model_version, arm.model_entity, base,
+                                        correlation_id=correlation_id, say=say)
+        tracker.set_alias(cfg.cycle.model_name, "challenger", version)
+        result = LearnResult(learn_id=learn_id, model_version=version, model_entity=entity,
                              chosen=arm.name, why=why, arms=[arm], first_pass=first_info, dev=dev_info, probe=probe_info,
-                             regression=stream_check, schedule=schedule_info)
+                             regression=stream_check, schedule=schedule_info, blend=blend)
         result.wall_s, result.cpu_s = whole.done()
         _record(cfg, store, tracker, result, correlation_id=correlation_id)
         say("learn", {"status": "done", "chosen": arm.name, "model": arm.model_entity})
@@ -550,15 +553,35 @@ def run_learning(
                 "tokens": _tokens(fr), "cpu_s": cpu, "wall_s": wall}
         final_version, final_entity = fr.model_version, fr.model_entity
     assert final_version is not None and final_entity is not None
+    final_version, final_entity, blend = _blend(cfg, store, tracker, final_version, final_entity, base,
+                                                correlation_id=correlation_id, say=say)
     tracker.set_alias(cfg.cycle.model_name, "challenger", final_version)
 
     result = LearnResult(learn_id=learn_id, model_version=final_version, model_entity=final_entity, chosen=chosen,
                          why=why, arms=results, first_pass=first_info, dev=dev_info, probe=probe_info,
-                         continuation=cont, fold_in=fold, regression=reg_check, schedule=schedule_info)
+                         continuation=cont, fold_in=fold, regression=reg_check, schedule=schedule_info, blend=blend)
     result.wall_s, result.cpu_s = whole.done()
     _record(cfg, store, tracker, result, correlation_id=correlation_id)
     say("learn", {"status": "done", "chosen": chosen, "model": final_entity})
     return result
+
+
+def _blend(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, version: int, entity: str, base: str, *,
+           correlation_id: str | None, say: Progress) -> tuple[int, str, dict[str, Any] | None]:
+    """``train.champion_blend < 1``: the trained model blended with the champion it was trained from
+    (:func:`flywheel.train.blend.blend_with_champion`), else the trained model as it is. Returns the
+    version and entity that ship and the record (``None`` when the setting is 1)."""
+    weight = cfg.train.champion_blend
+    if weight >= 1.0:
+        return version, entity, None
+    from flywheel.train.blend import blend_with_champion
+
+    say("learn", {"status": "running", "phase": "blend with the champion", "weight": weight})
+    blended, record = blend_with_champion(cfg, store, tracker, trained=entity, champion=base, weight=weight,
+                                          correlation_id=correlation_id)
+    if blended is None:
+        return version, entity, record
+    return blended.model_version, blended.model_entity, record
 
 
 def _stream(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tracker: Tracker, first: Any,
@@ -805,14 +828,14 @@ def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnRe
     """``learning.decided`` on ``learn:<id>`` and an MLflow run ``learn`` with every arm's figures."""
     arms = [a.to_dict() for a in r.arms]
     entities = [x for a in r.arms for x in (a.run_id, a.model_entity) if x]
-    later = [x for phase in (r.continuation, r.fold_in) if phase for x in (phase.get("run_id"), phase.get("model_entity")) if x]
+    later = [x for phase in (r.continuation, r.fold_in, r.blend) if phase for x in (phase.get("run_id"), phase.get("model_entity")) if x]
     causation = list(dict.fromkeys([r.first_pass["run_id"], r.first_pass["model_entity"], *entities, *later]))
     with tracker.run("learn", consumes=causation, produces=[r.learn_id],
                      tags={"flywheel.learn": r.learn_id, "flywheel.chosen": r.chosen,
                            "flywheel.model": r.model_entity}) as run:
         run.log_params({"chosen": r.chosen, "arms": ",".join(a.name for a in r.arms), "dev_items": r.dev.get("items", 0),
                         "first_pass_steps": r.first_pass.get("steps"), "arm_steps": cfg.train.arm_steps,
-                        "continue_steps": cfg.train.continue_steps})
+                        "continue_steps": cfg.train.continue_steps, "champion_blend": cfg.train.champion_blend})
         metrics: dict[str, float] = {"first_pass.cpu_s": float(r.first_pass["cpu_s"]),
                                      "first_pass.tokens": float(r.first_pass["tokens"])}
         for a in r.arms:
@@ -833,5 +856,5 @@ def _record(cfg: FlywheelConfig, store: EventStore, tracker: Tracker, r: LearnRe
     store.append(r.learn_id, NewEvent("learning.decided", {
         "entity_id": r.learn_id, "model": r.model_entity, "model_name": name, "model_version": version,
         "chosen": r.chosen, "why": r.why, "arms": arms, "first_pass": r.first_pass, "dev": r.dev, "probe": r.probe,
-        "continuation": r.continuation, "fold_in": r.fold_in, "regression": r.regression, "schedule": r.schedule, "cpu_s": r.cpu_s, "wall_s": r.wall_s,
+        "continuation": r.continuation, "fold_in": r.fold_in, "regression": r.regression, "blend": r.blend, "schedule": r.schedule, "cpu_s": r.cpu_s, "wall_s": r.wall_s,
     }, causation), correlation_id=correlation_id)

@@ -273,6 +273,14 @@ def learning_table(learn: dict[str, Any]) -> str:
         rows.append(f'<tr><td>regression check</td><td>--</td><td>--</td><td>{esc(reg.get("cpu_s"))}</td>'
                     f'<td>{esc(reg.get("passed"))}/{esc(reg.get("items"))}</td><td>trial model on the regression suite; '
                     f'failed: {esc(failed)} (each {esc(reg.get("copies"))} more times in the continuation)</td></tr>')
+    bl = learn.get("blend") or {}
+    if bl.get("model_entity"):
+        rows.append(f'<tr><td>blend with the champion</td><td>0</td><td>--</td><td>{esc(bl.get("cpu_s"))}</td><td>--</td>'
+                    f'<td>shipped: {esc(bl.get("champion"))} + {esc(bl.get("weight"))} x ({esc(bl.get("trained"))} - '
+                    f'{esc(bl.get("champion"))}) = {esc(bl.get("model_entity"))}</td></tr>')
+    elif bl.get("skipped"):
+        rows.append(f'<tr><td>blend with the champion</td><td>--</td><td>--</td><td>--</td><td>--</td>'
+                    f'<td>not run: {esc(bl["skipped"])}</td></tr>')
     return (f'<p>Learning stage: <b>{esc(learn.get("chosen"))}</b> shipped ({esc(learn.get("why"))}).</p>'
             '<table id="arms"><tr><th>phase / arm</th><th>steps</th><th>tokens</th><th>CPU-s</th><th>dev passed</th>'
             f'<th></th></tr>{"".join(rows)}</table>')

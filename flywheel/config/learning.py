@@ -238,6 +238,13 @@ class TrainConfig(_Section):
         "pass over all waves). Below 1 the first pass spends its steps on what the champion has not learned yet and "
         "rehearses the rest; every real correction still joins the data of the steps after it.",
     )
+    champion_blend: float = Field(
+        1.0, ge=0.0, le=1.0, description="mode = arms: when the learning stage trained from a champion that is a LoRA "
+        "adapter (cycle 2 on), ship champion + champion_blend x (trained - champion), parameter by parameter "
+        "(weight-space ensembling, WiSE-FT; flywheel/train/blend.py), registered as its own version. 1: ship the "
+        "trained adapter as it is. Lower values keep less of the update and flip fewer of the champion's answers. "
+        "Ignored in cycle 1 (the base model has no adapter) and when the two adapters differ in shape.",
+    )
     rpo_beta: float = Field(0.1, gt=0.0, description="RPO/DPO: beta of the preference term (Rafailov et al. 2023).")
     rpo_alpha: float = Field(
         1.0, ge=0.0, description="RPO: weight of the NLL term on the chosen answer (Pang et al. 2024); 0 = plain DPO."

@@ -435,6 +435,12 @@ def test_the_cycle_report_shows_the_regression_check_and_what_it_failed():
     assert "regression check" not in learning_table({**learn, "regression": None})
     skipped = learning_table({**learn, "regression": {"skipped": "train.continue_steps = 0: no continuation"}})
     assert "not run: train.continue_steps = 0" in skipped
+    blended = learning_table({**learn, "blend": {"weight": 0.5, "trained": "model:policy/5", "champion": "model:policy/3",
+                                                 "model_entity": "model:policy/6", "cpu_s": 0.4}})
+    assert "blend with the champion" in blended and "model:policy/3 + 0.5 x (model:policy/5" in blended
+    assert "model:policy/6" in blended and "blend with the champion" not in html
+    no_blend = learning_table({**learn, "blend": {"weight": 0.5, "skipped": "the champion tiny is a base model"}})
+    assert "not run: the champion tiny is a base model" in no_blend
 
 
 def test_the_scoreboard_says_which_first_pass_demonstrations_were_replayed_successes():
@@ -460,6 +466,10 @@ def test_the_scoreboard_says_which_first_pass_demonstrations_were_replayed_succe
             "dev": {"replay": 14, "items": 0}}
     assert _trained_how({"stages": {"learn": seen}}, 3, "policy").startswith(
         "SFT pass (9 steps, 68 demonstrations, 14 of them replayed successes, 24 of 96 earlier corrections) + 18 more")
+    # train.champion_blend < 1: the shipped version is the blend with the champion
+    blended = {**stream, "blend": {"weight": 0.5, "model_entity": "model:policy/3"}}
+    assert _trained_how({"stages": {"learn": blended}}, 3, "policy").endswith(
+        "1 regression items repeated, blended 0.5 with the champion")
 
 
 def _recording_sft(calls: list[dict], *, first_version: int):
@@ -576,3 +586,60 @@ def test_first_pass_seen_rehearses_a_sample_of_what_the_base_trained_on_and_trai
     store.append("model:policy/9", NewEvent("model.registered", {"version": 9}, ["run:r2"]))
     learn.run_learning(cfg, store, None, _QuietTracker(), base="model:policy/9")
     assert len(calls[0]["ids"]) == 12
+
+
+def test_the_learning_stage_ships_the_blend_below_one_and_the_trained_model_at_one(cfg, store, monkeypatch):
+    """run_learning with train.champion_blend = 0.5 from a registered champion: the stream's model is blended
+    with the champion and the blend ships, recorded in learning.decided; at 1 nothing is blended; from a base
+    model (cycle 1) the record says why not and the trained model ships."""
+    from types import SimpleNamespace
+
+    import flywheel.learn as learn
+    import flywheel.train.blend as blend
+    import flywheel.train.stage as stage
+    import flywheel.versioning as versioning
+
+    cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control", "targeted"], 8
+    cfg.train.synthesis_in, cfg.train.regression_repair = "stream", 0
+    cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.batch_size = 2, 3, 4
+    env_tasks = _real_tasks(12) + _synth_tasks(4)
+    monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=env_tasks))
+    monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
+    calls: list[str] = []
+
+    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False, **kw):
+        calls.append(base)
+        v = len(calls) + 10
+        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
+                               steps=steps, metrics={}, history=[], optimizer_state=None)
+
+    blended: list[dict] = []
+
+    def fake_blend(cfg, store, tracker, *, trained, champion, weight, correlation_id=None):
+        blended.append({"trained": trained, "champion": champion, "weight": weight})
+        return (SimpleNamespace(model_version=99, model_entity="model:policy/99"),
+                {"weight": weight, "trained": trained, "champion": champion, "model_entity": "model:policy/99",
+                 "run_id": "run:blend"})
+
+    monkeypatch.setattr(stage, "train_sft", fake_sft)
+    monkeypatch.setattr(learn, "_probe_and_synthesize", lambda *a: {"tasks": 8, "counts": {}, "plan": {}})
+    monkeypatch.setattr(learn, "_seen_corrections", lambda *a, **k: (set(), set()))
+    real_blend = blend.blend_with_champion
+    monkeypatch.setattr(blend, "blend_with_champion", fake_blend)
+    cfg.train.champion_blend = 0.5
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="model:policy/3")
+    assert blended == [{"trained": "model:policy/12", "champion": "model:policy/3", "weight": 0.5}]
+    assert r.model_version == 99 and r.model_entity == "model:policy/99" and r.blend["run_id"] == "run:blend"
+    (ev,) = store.read(stream=r.learn_id, types="learning.decided")
+    assert ev.payload["model"] == "model:policy/99" and ev.payload["blend"]["weight"] == 0.5
+    assert "run:blend" in ev.causation and "model:policy/99" in ev.causation
+
+    blended.clear()
+    cfg.train.champion_blend = 1.0
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="model:policy/3")
+    assert blended == [] and r.blend is None and r.model_entity == f"model:policy/{len(calls) + 10}"
+
+    monkeypatch.setattr(blend, "blend_with_champion", real_blend)  # a base-model champion has no adapter to blend
+    cfg.train.champion_blend = 0.5
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
+    assert r.model_entity == f"model:policy/{len(calls) + 10}" and "base model" in r.blend["skipped"]
