@@ -93,8 +93,9 @@ def blend_with_champion(cfg: FlywheelConfig, store: EventStore, tracker: Tracker
         f1 = version_files(cfg, tracker, *parse_model_entity(trained))
     except (ValueError, ModelRefError) as e:
         return None, {**record, "skipped": str(e)}
-    if not (f0.adapter and f1.adapter):
-        return None, {**record, "skipped": "the champion or the trained model is a full model, not a LoRA adapter"}
+    for ent, files in ((champion, f0), (trained, f1)):
+        if not files.adapter:
+            return None, {**record, "skipped": f"{ent} is a full model, not a LoRA adapter to blend"}
     if str(f0.base_model) != str(f1.base_model):
         return None, {**record, "skipped": f"the adapters apply to different base models ({f0.base_model} vs {f1.base_model})"}
     d0, d1 = Path(f0.directory), Path(f1.directory)

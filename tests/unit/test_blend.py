@@ -47,7 +47,7 @@ def test_blend_with_champion_registers_the_midpoint_loads_it_and_traces_both_par
     """Two real SFT versions on the tiny model (the second trained from the first, as cycle 2 trains from the
     champion): the blend is a registered LoRA version whose every tensor is the midpoint, which loads and
     answers like any version; its lineage reaches both models and the demonstrations behind them. A champion
-    that is a base model, or an adapter of another rank, is skipped with the reason."""
+    that is a base model or a full model, or an adapter of another rank, is skipped with the reason."""
     from safetensors.torch import load_file
 
     from flywheel.artifacts import open_artifacts
@@ -100,3 +100,8 @@ def test_blend_with_champion_registers_the_midpoint_loads_it_and_traces_both_par
     skipped, why = blend_with_champion(cfg, store, tracker, trained=other.model_entity,
                                        champion=champion.model_entity, weight=0.5)
     assert skipped is None and "r differs" in why["skipped"]
+    cfg.train.lora_r = 0  # full fine-tuning: a registered full model (as cycle 1's champion, the base, is)
+    full = train_sft(cfg, store, artifacts, tracker, demos("w4-"), base=tiny_dir, steps=1)
+    skipped, why = blend_with_champion(cfg, store, tracker, trained=trained.model_entity,
+                                       champion=full.model_entity, weight=0.5)
+    assert skipped is None and why["skipped"] == f"{full.model_entity} is a full model, not a LoRA adapter to blend"
