@@ -303,6 +303,13 @@ class TrainConfig(_Section):
     release_memory: bool = Field(
         True, description="On CPU, hand the freed heap back to the OS after each optimizer step (glibc malloc_trim)."
     )
+    threads: Literal["auto"] | NonNegativeInt = Field(
+        "auto", description="Intra-op threads of a CPU training step. auto: as many as the cores other processes left "
+        "free during the step before (/proc/stat's busy time of this process's cores minus its own CPU time), at most "
+        "torch's count: with one other busy process on 2 cores a 2-thread step waits at every op's barrier for the "
+        "descheduled thread (the demo's SFT step 21-27 s against 7.6 s with 1 thread, "
+        "benchmarks/bench_train_threads.py); an idle machine keeps torch's count. A count fixes it; 0 leaves torch's.",
+    )
     log_entropy: bool = Field(True, description="Compute and log the policy's token entropy each step.")
     deepspeed: str | None = Field(None, description="Path of a DeepSpeed JSON config (infra/deepspeed/).")
     sft_trigger_zero_variance: float = Field(

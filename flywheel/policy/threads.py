@@ -7,7 +7,7 @@ own count is right (2-core host, SmolLM2-135M fp32: batch 1 decodes 17.6 tokens/
 flywheel job) the other thread is descheduled and every barrier waits for a scheduler time slice:
 with one other process spinning on a core, batch 1 decoded 6.1 tokens/s with 2 threads and 15.3
 with 1, and with a 2-thread benchmark beside it 1.4 against 16 (``benchmarks/bench_decode_threads.py``).
-Prefill and training steps do milliseconds of work per op and lose little.
+Training steps lose as much (:mod:`flywheel.train.threads` chooses their count another way).
 
 :class:`DecodeThreads` times the steps of a decode loop under each candidate thread count (the
 process's count and 1, plus half of it on larger machines) for a few steps each, keeps the fastest

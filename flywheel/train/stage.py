@@ -204,6 +204,7 @@ def _train_and_register(
         "entity_id": run_id, "mlflow_run_id": run.run_id, "mode": mode, "objective": options.objective,
         "steps": len(history), "loss": summary.get("loss"), "metrics": summary, "base": base, "base_model": base_spec,
         "adapter": adapter, **run_payload, **({"stopped": stopped} if stopped else {}),
+        **({"threads": trainer.threads.summary()} if trainer.threads is not None else {}),
     }, causation))
     store.append(f"model:{name}", NewEvent("model.registered", {
         "entity_id": model_ent, "name": name, "version": version, "run": run_id, "mlflow_run_id": run.run_id,

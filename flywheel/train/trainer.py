@@ -55,6 +55,7 @@ from flywheel.kernels import fused_logprob
 from flywheel.kernels.fused_layers import patch_for_training
 from flywheel.train.data import MicroBatch, TrainSample, make_micro_batches
 from flywheel.train.losses import LossInputs, PreferenceInputs, compute_loss, rpo_loss, sft_loss
+from flywheel.train.threads import TrainThreads
 
 LogprobImpl = Literal["fused", "naive"]
 #: What a run optimises: a GRPO-family loss (``[train] loss``), SFT's cross-entropy, or RPO/DPO on
@@ -454,6 +455,9 @@ class Trainer:
         t = self.train = options.train
         self.device = torch.device(device)
         self.use_cuda = self.device.type == "cuda"
+        # train.threads: a CPU step's intra-op threads follow the cores other processes leave free
+        # (flywheel/train/threads.py); None on CUDA
+        self.threads = None if self.use_cuda else TrainThreads(getattr(t, "threads", "auto"))
         # The base weights' dtype, before LoRA adds float32 adapters (decides CPU autocast).
         self.base_dtype = next(model.parameters()).dtype
         model = apply_lora(model, r=t.lora_r, alpha=t.lora_alpha, layers=t.lora_layers)
@@ -597,6 +601,15 @@ class Trainer:
         """One optimizer update over ``samples`` (gradient accumulation across micro-batches)."""
         if not samples:
             raise ValueError("Trainer.step: empty batch")
+        if self.threads is None:
+            return self._step(samples)
+        self.threads.before_step()  # train.threads: the cores other processes leave free
+        try:
+            return self._step(samples)
+        finally:
+            self.threads.after_step()
+
+    def _step(self, samples: Sequence[TrainSample]) -> StepMetrics:
         t0 = time.perf_counter()
         mbs = self.micro_batches(samples)
         n_tok, n_seq = _dist_sum([float(sum(s.n_loss_tokens for s in samples)), float(len(samples))])
@@ -650,6 +663,8 @@ class Trainer:
             _malloc_trim()
         dt = time.perf_counter() - t0
         stats = {k: v / max(agg_w, 1.0) for k, v in agg.items()}
+        if self.threads is not None:
+            stats["threads"] = float(self.threads.current)
         rewards = torch.tensor([s.reward for s in samples])
         if self.opt.objective != "sft":
             stats["reward_mean"] = float(rewards.mean())
