@@ -104,9 +104,9 @@ PROFILES: dict[str, dict[str, Any]] = {
             # on (its lineage) and trains wave 2's new ones in full: over all 140 demonstrations it ended at loss
             # 0.05 (cycle 1's: 0.25), and its 18 steps took 302 of the demo's 2,039 s (fp32 demo at b45f708).
             # champion_blend 0.5: from cycle 2 on, ship the midpoint of the champion's adapter and the trained one
-            # (flywheel/train/blend.py). Over nine cycle-2 runs (six post hoc, three fresh seeds) it flipped
-            # 63 of the champion's held-out answers against the trained adapter's 98, for a net +29 items
-            # against +16; docs/learning.md has the table.
+            # (flywheel/train/blend.py). Over ten cycle-2 runs (six post hoc, four fresh) it flipped 73 of the
+            # champion's held-out answers against the trained adapter's 112, for a net +35 items against +20;
+            # docs/learning.md has the table.
             "train": {"mode": "arms", "arms": ["control", "targeted"], "loss": "dapo", "first_pass_epochs": 1.0,
                       "first_pass_seen": 0.25,
                       "arm_steps": 2, "continue_steps": 16, "synthesis_in": "stream", "champion_blend": 0.5,
