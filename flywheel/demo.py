@@ -103,13 +103,14 @@ PROFILES: dict[str, dict[str, Any]] = {
             # first_pass_seen: cycle 2's first pass rehearses a quarter of the corrections the champion trained
             # on (its lineage) and trains wave 2's new ones in full: over all 140 demonstrations it ended at loss
             # 0.05 (cycle 1's: 0.25), and its 18 steps took 302 of the demo's 2,039 s (fp32 demo at b45f708).
-            # champion_blend 0.5: from cycle 2 on, ship the midpoint of the champion's adapter and the trained one
-            # (flywheel/train/blend.py). Over ten cycle-2 runs (six post hoc, four fresh) it flipped 73 of the
-            # champion's held-out answers against the trained adapter's 112, for a net +35 items against +20;
-            # docs/learning.md has the table.
+            # champion_blend stays 1 (off). Shipping the midpoint of the champion's adapter and the trained one
+            # (flywheel/train/blend.py) halved cycle 2's flips on the held-out suite (73 against 112 over ten
+            # runs) but kept half of its lift on 400 unseen questions (the demo at 86823a9: 103/400 against the
+            # trained adapter's 111/400 and the champion's 94; plain SFT on both waves 116/400), and cycle 2
+            # still promoted in none of four runs: docs/learning.md has the tables.
             "train": {"mode": "arms", "arms": ["control", "targeted"], "loss": "dapo", "first_pass_epochs": 1.0,
                       "first_pass_seen": 0.25,
-                      "arm_steps": 2, "continue_steps": 16, "synthesis_in": "stream", "champion_blend": 0.5,
+                      "arm_steps": 2, "continue_steps": 16, "synthesis_in": "stream",
                       "batch_size": 8,
                       "lora_r": 16, "lora_alpha": 32, "sft_lr": 1e-3, "lr": 2e-4, "arm_budget_cpu_s": 240,
                       "probe_tasks": 24, "dev_fraction": 0.15, "dev_min_items": 8,

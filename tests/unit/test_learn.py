@@ -605,14 +605,8 @@ def test_the_learning_stage_ships_the_blend_below_one_and_the_trained_model_at_o
     env_tasks = _real_tasks(12) + _synth_tasks(4)
     monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=env_tasks))
     monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
-    calls: list[str] = []
-
-    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False, **kw):
-        calls.append(base)
-        v = len(calls) + 10
-        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
-                               steps=steps, metrics={}, history=[], optimizer_state=None)
-
+    calls: list[dict] = []
+    fake_sft = _recording_sft(calls, first_version=11)
     blended: list[dict] = []
 
     def fake_blend(cfg, store, tracker, *, trained, champion, weight, correlation_id=None):
