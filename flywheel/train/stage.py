@@ -183,22 +183,13 @@ def _train_and_register(
         summary = _summary(history, wall)
         summary["cpu_s"] = cpu_s
         run.log_metrics({f"final.{k}": v for k, v in summary.items()}, step=len(history))
-        tmp = Path(tempfile.mkdtemp(prefix="flywheel-train-", dir=cfg.home))
-        try:
+
+        def write(tmp: Path) -> None:
             trainer.save(tmp)
             tokenizer.save_pretrained(str(tmp))
-            (tmp / "flywheel-train.json").write_text(json.dumps(
-                {"run": run_id, "mode": mode, "adapter": adapter, "base_model": base_spec, "base": base,
-                 "consumes": causation}, indent=1, sort_keys=True))
-            version = tracker.register_model(
-                name, tmp, run_id=run.run_id,
-                tags={"base_model": base_spec, "adapter": adapter, "flywheel.run": run_id, "mode": mode, "base": base},
-            )
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        tracker.set_alias(name, "challenger", version)
-        # The run produced the training run entity and the registered version.
-        run.set_tags({"flywheel.produces": f"{run_id},model:{name}/{version}", "flywheel.model": f"model:{name}/{version}"})
+
+        version = register_version(cfg, tracker, run, write, run_id=run_id, mode=mode, adapter=adapter,
+                                   base_spec=base_spec, base=base, consumes=causation)
     model_ent = f"model:{name}/{version}"
     store.append(run_id, NewEvent("training.completed", {
         "entity_id": run_id, "mlflow_run_id": run.run_id, "mode": mode, "objective": options.objective,
@@ -213,6 +204,32 @@ def _train_and_register(
     return TrainResult(run_id=run_id, model_version=version, model_entity=model_ent, metrics=summary, mode=mode,
                        mlflow_run_id=run.run_id, steps=len(history), adapter=adapter, base=base, history=history,
                        optimizer_state=trainer.optimizer_state() if keep_optimizer_state else None)
+
+
+def register_version(cfg: FlywheelConfig, tracker: Tracker, run: Any, write: Callable[[Path], None], *, run_id: str,
+                     mode: str, adapter: str, base_spec: str, base: str, consumes: list[str],
+                     meta: dict[str, Any] | None = None, tags: dict[str, Any] | None = None) -> int:
+    """Register what ``write(dir)`` puts in a fresh directory (weights, tokenizer) as a new version of
+    ``cfg.cycle.model_name`` from MLflow run ``run``, with ``flywheel-train.json`` (``meta`` added) and the
+    version tags (``tags`` added); alias it ``challenger`` and tag the run with what it produced."""
+    name = cfg.cycle.model_name
+    tmp = Path(tempfile.mkdtemp(prefix="flywheel-train-", dir=cfg.home))
+    try:
+        write(tmp)
+        (tmp / "flywheel-train.json").write_text(json.dumps(
+            {"run": run_id, "mode": mode, "adapter": adapter, "base_model": base_spec, "base": base,
+             "consumes": consumes, **(meta or {})}, indent=1, sort_keys=True))
+        version = tracker.register_model(
+            name, tmp, run_id=run.run_id,
+            tags={"base_model": base_spec, "adapter": adapter, "flywheel.run": run_id, "mode": mode, "base": base,
+                  **(tags or {})},
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    tracker.set_alias(name, "challenger", version)
+    # The run produced the training run entity and the registered version.
+    run.set_tags({"flywheel.produces": f"{run_id},model:{name}/{version}", "flywheel.model": f"model:{name}/{version}"})
+    return version
 
 
 def _summary(history: list[dict[str, float]], wall: float) -> dict[str, float]:
