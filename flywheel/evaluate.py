@@ -71,6 +71,9 @@ ITEM_SCHEMA = pa.schema(
         ("split", pa.string()),
         ("completion", pa.string()),  # first sample's final answer text (truncated), for reports
         ("task_hash", pa.string()),  # sha256 of the canonical task record: the key of item reuse
+        # samples whose answer stopped at decoding.max_new_tokens (finish reason "length"): cut off, not
+        # finished; null in evaluations recorded before it was counted
+        ("n_truncated", pa.int32()),
     ]
 )
 _COMPLETION_CHARS = 2000
@@ -220,6 +223,9 @@ class EvalResult:
             "pass_rate": (sum(r["passed"] for r in s) / len(s)) if s else None,
             "infra_errors": sum(r["infra_error"] is not None for r in rows),
             "nondeterministic": sum((not r["deterministic"]) for r in rows),
+            # items whose (first) answer was cut at max_new_tokens: a cut-off answer rarely parses, so a
+            # high count says the decoding budget, not the model, decided those items
+            "truncated": sum(bool(r.get("n_truncated")) for r in rows),
             "cached": self.cached,
         }
 
@@ -291,6 +297,7 @@ def item_row(task: TaskRecord, episodes: Sequence[Episode]) -> EvalItemRow:
         "split": opt(md.get("split")),
         "completion": _episode_text(episodes[0]) if episodes else None,
         "task_hash": task_hash(task),
+        "n_truncated": sum(bool(getattr(ep, "truncated", False)) for ep in episodes),
     }
 
 
@@ -408,6 +415,7 @@ def evaluate_model(
         "pass_rate": s["pass_rate"],
         "infra_errors": s["infra_errors"],
         "nondeterministic": s["nondeterministic"],
+        "truncated": s["truncated"],
         "wall_s": round(wall, 3),
         "reused_items": len(tasks) - len(todo),
         "reused_from": prior_sources[:20] if len(todo) < len(tasks) else [],

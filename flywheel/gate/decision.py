@@ -138,6 +138,12 @@ def render_markdown(decision: GateDecision) -> str:
         "- items the observed effect would need (80% power): "
         + (str(n.get("items_needed")) if n.get("items_needed") is not None else "none would do: no improvement observed"),
     ]
+    cut = n.get("truncated") or {}
+    if cut.get("challenger") or cut.get("champion"):
+        lines.append(
+            f"- answers cut at max_new_tokens ({cut.get('max_new_tokens')}): challenger {cut.get('challenger')}, "
+            f"champion {cut.get('champion')} of {n.get('paired_items')} paired items; {cut.get('undecided')} both "
+            "failed with an answer cut short, so the decoding budget decided them (raise `gate.max_new_tokens`)")
     origin = n.get("by_origin") or {}
     if origin:
         lines += ["", "## Fix rate and keep rate", "",

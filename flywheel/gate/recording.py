@@ -4,7 +4,7 @@ payload of the ``gate.decided`` event."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,28 @@ def _by_origin(slices: Sequence[SliceResult]) -> dict[str, dict[str, int | float
     return by_origin
 
 
+def _truncation(evals: _Evaluations, paired: Sequence[PairedItem]) -> dict[str, Any]:
+    """How many paired held-out answers stopped at the decoding budget (``max_new_tokens``).
+
+    A cut-off call rarely parses, so an item both models failed with an answer cut short was decided by
+    the budget, not by the models (``undecided_ids``): a tie the sign test ignores, which a larger
+    ``gate.max_new_tokens`` might turn into a win or a loss. ``counted`` is false when an evaluation was
+    recorded before answers were counted (its rows have no ``n_truncated``)."""
+    ch, cp = evals.challenger.by_task(), evals.champion.by_task()
+
+    def cut(rows: Mapping[str, Mapping[str, Any]], tid: str) -> bool:
+        return bool((rows.get(tid) or {}).get("n_truncated"))
+
+    ids = [p.task_id for p in paired]
+    undecided = [p.task_id for p in paired if not p.champion and not p.challenger and (cut(ch, p.task_id) or cut(cp, p.task_id))]
+    return {
+        "max_new_tokens": evals.challenger.decoding.get("max_new_tokens"),
+        "counted": all(r.get("n_truncated") is not None for rows in (ch, cp) for r in rows.values()),
+        "challenger": sum(cut(ch, t) for t in ids), "champion": sum(cut(cp, t) for t in ids),
+        "undecided": len(undecided), "undecided_ids": undecided[:50],
+    }
+
+
 def _numbers(g: GateConfig, models: _Contestants, suites: _GateSuites, evals: _Evaluations,
              a: _Assessment) -> dict[str, Any]:
     """Every measured value and threshold of the decision (JSON-safe)."""
@@ -82,6 +104,7 @@ def _numbers(g: GateConfig, models: _Contestants, suites: _GateSuites, evals: _E
         "regression": asdict(regression) if regression else None,
         "decontamination": asdict(decon),
         "training_failures": a.training_failures,
+        "truncated": _truncation(evals, paired),
         "thresholds": g.model_dump(),
     })
 

@@ -248,3 +248,4 @@ class EvalItemRow(TypedDict):
     split: str | None
     completion: str | None
     task_hash: str
+    n_truncated: int | None  # samples cut at max_new_tokens; None in evaluations recorded before it was counted

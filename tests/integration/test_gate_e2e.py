@@ -57,10 +57,11 @@ JUDGE_TASK["metadata"] = {**JUDGE_TASK["metadata"], "deterministic": False}
 
 
 class ScriptedPolicy:
-    """Answers item i correctly iff i is in ``solves``; otherwise a valid call with a wrong value."""
+    """Answers item i correctly iff i is in ``solves``; otherwise a valid call with a wrong value. An item
+    in ``cuts`` is answered with half of its call, stopped at the decoding budget (finish reason "length")."""
 
-    def __init__(self, version: str, solves: set[int]):
-        self.name, self.version, self.solves = "scripted", version, set(solves)
+    def __init__(self, version: str, solves: set[int], cuts: set[int] = frozenset()):
+        self.name, self.version, self.solves, self.cuts = "scripted", version, set(solves), set(cuts)
         self.calls = 0
 
     def generate(self, prompts, params=None, *, tools=None):
@@ -73,7 +74,10 @@ class ScriptedPolicy:
             tool = text.split("call ")[1].split()[0]
             value = f"v{i}" if i in self.solves else "wrong"
             answer = f"[{tool}(arg='{value}')]"
-            out.append([Sample(answer, [1, 2], [3], [-0.1], "stop", False, 1.0) for _ in range(params.n)])
+            cut = i in self.cuts
+            answer = answer[: len(answer) // 2] if cut else answer
+            out.append([Sample(answer, [1, 2], [3], [-0.1], "length" if cut else "stop", cut, 1.0)
+                        for _ in range(params.n)])
         return out
 
 
@@ -250,6 +254,34 @@ def test_gate_promote_refuse_rollback(world):
     assert [(d.action, d.from_version, d.to_version) for d in hist] == [
         ("promote", None, 1), ("promote", 1, 4), ("rollback", 4, 1), ("promote", 1, 5)]
     assert all(d.user for d in hist) and hist[1].gate == d4.gate_id
+
+
+def test_gate_counts_answers_cut_at_the_decoding_budget(world):
+    """An answer stopped at gate.max_new_tokens is a cut-off call: the item's row counts it, the evaluation
+    totals it, and the gate records (and its report says) the items both models failed with a cut answer --
+    ties the decoding budget decided, not the models (the demo's 48 tokens cut 5 of its cycle-2 held-out
+    references short)."""
+    w = world
+    champion = ScriptedPolicy("base", SOLVES["base"], cuts={26, 27})
+    challenger = ScriptedPolicy("1", SOLVES[1], cuts={3, 24, 26, 27, 28, 29})  # 3: it knows the call, cut short
+
+    def loader(ref: ModelRef):
+        return champion if ref.is_base else challenger
+
+    d = run_gate(w["cfg"], w["store"], w["artifacts"], w["tracker"], 1, policy_loader=loader)
+    cut = d.numbers["truncated"]
+    assert cut["max_new_tokens"] == w["cfg"].gate.max_new_tokens and cut["counted"] is True
+    assert (cut["challenger"], cut["champion"]) == (6, 2)
+    # neither model passes 3, 24, 26-29 and an answer was cut: ties the budget decided (3 would be a win)
+    assert cut["undecided"] == 6
+    assert sorted(cut["undecided_ids"]) == [f"eval:heldout{i:02d}" for i in (3, 24, 26, 27, 28, 29)]
+    assert (d.numbers["wins"], d.numbers["losses"]) == (18, 0)  # 19 without the cut
+    assert "answers cut at max_new_tokens" in d.report_path.read_text()
+    ev = w["store"].read(stream=d.numbers["challenger_evaluation"], types="eval.completed")[-1].payload
+    assert ev["truncated"] == 6
+    rows = evaluate_model(w["cfg"], w["store"], w["artifacts"], w["tracker"], 1, w["heldout"], policy_loader=loader)
+    assert rows.cached and rows.by_task()["eval:heldout24"]["n_truncated"] == 1
+    assert rows.by_task()["eval:heldout25"]["n_truncated"] == 0
 
 
 def test_evaluation_is_cached_per_model_and_suite_version(world):
