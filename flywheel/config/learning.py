@@ -371,6 +371,11 @@ class GateConfig(_Section):
         "source) of at least min_slice_size items."
     )
     min_slice_size: int = Field(5, ge=1, description="Slices smaller than this are reported, not ruled on.")
+    min_slice_net_losses: int = Field(
+        2, ge=1, description="A slice that dropped more than max_slice_regression refuses only when it lost at "
+        "least this many more items than it won: one flipped item in a 5-9 item slice is an 11-20% drop that a "
+        "uniformly better challenger shows somewhere by chance (docs/gate.md). 1 = any such drop refuses."
+    )
     max_regression_failures: int = Field(
         0, ge=0, description="Regression-suite items the challenger may fail that the champion passes."
     )

@@ -22,8 +22,10 @@ Rules (thresholds from ``[gate]`` in ``flywheel.toml``, :class:`flywheel.config.
                             the threshold. With the default 0.0 an *equal* model is refused.
 ``min_pass_rate``           challenger pass rate on the paired held-out items >= the floor.
 ``max_slice_regression``    no slice with at least ``min_slice_size`` paired items drops by more
-                            than this (champion rate - challenger rate). ``origin:success`` (the
-                            held-out production successes) is a slice: its drop is the keep rate's.
+                            than this (champion rate - challenger rate) while losing at least
+                            ``min_slice_net_losses`` (2) more items than it won. ``origin:success``
+                            (the held-out production successes) is a slice: its drop is the keep
+                            rate's.
 ``max_regression_failures`` regression suite (successful production traces on the train side): the
                             number of items the champion passes and the challenger fails is at
                             most this. Without a champion, every challenger failure counts.

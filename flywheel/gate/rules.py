@@ -110,7 +110,10 @@ def rule_min_improvement(stats: PairedStats, threshold: float) -> RuleResult:
     )
 
 
-def rule_max_slice_regression(slices: Sequence[SliceResult], max_drop: float, min_size: int) -> RuleResult:
+def rule_max_slice_regression(slices: Sequence[SliceResult], max_drop: float, min_size: int,
+                              min_net_losses: int = 1) -> RuleResult:
+    """No slice of at least ``min_size`` items drops by more than ``max_drop`` with at least
+    ``min_net_losses`` more items lost than won (1: any such drop fails)."""
     eligible = [s for s in slices if s.n >= min_size]
     if not eligible:
         return RuleResult(
@@ -120,13 +123,22 @@ def rule_max_slice_regression(slices: Sequence[SliceResult], max_drop: float, mi
     worst = min(eligible, key=lambda s: (s.delta, s.name))
     drop = -worst.delta
     # A tiny epsilon so that a drop of exactly the threshold (0.1 from 0.6 -> 0.5) is allowed.
-    bad = [s for s in eligible if -s.delta > max_drop + 1e-12]
+    dropped = [s for s in eligible if -s.delta > max_drop + 1e-12]
+    bad = [s for s in dropped if s.losses - s.wins >= min_net_losses]
     if bad:
-        names = ", ".join(f"{s.name} ({_fmt(s.champion_rate)} -> {_fmt(s.challenger_rate)}, n={s.n})" for s in bad[:3])
+        names = ", ".join(f"{s.name} ({_fmt(s.champion_rate)} -> {_fmt(s.challenger_rate)}, n={s.n}, "
+                          f"{s.wins} won / {s.losses} lost)" for s in bad[:3])
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         return RuleResult(
             "max_slice_regression", False, drop, max_drop,
             f"{len(bad)} slice(s) dropped more than {_fmt(max_drop)}: {names}{more}",
+        )
+    if dropped:
+        names = ", ".join(f"{s.name} ({_fmt(s.delta)}, n={s.n}, {s.wins} won / {s.losses} lost)" for s in dropped[:3])
+        return RuleResult(
+            "max_slice_regression", True, drop, max_drop,
+            f"{names}: dropped more than {_fmt(max_drop)} by fewer than {min_net_losses} net lost items, which "
+            f"a challenger better everywhere shows somewhere by chance; {len(eligible)} slices with >= {min_size} items",
         )
     return RuleResult(
         "max_slice_regression", True, drop, max_drop,
@@ -186,7 +198,8 @@ def decide(evidence: GateEvidence, gate_cfg: GateConfig) -> tuple[str, list[Rule
         rule_significance(s),
         rule_min_improvement(s, gate_cfg.min_improvement),
         rule_min_pass_rate(s.challenger_rate, s.n, gate_cfg.min_pass_rate),
-        rule_max_slice_regression(evidence.slices, gate_cfg.max_slice_regression, gate_cfg.min_slice_size),
+        rule_max_slice_regression(evidence.slices, gate_cfg.max_slice_regression, gate_cfg.min_slice_size,
+                                  gate_cfg.min_slice_net_losses),
         rule_max_regression_failures(evidence.regression, gate_cfg.max_regression_failures),
         rule_decontaminated(evidence.decontamination, gate_cfg.require_decontaminated),
     ]

@@ -84,10 +84,30 @@ def test_slice_regression_pass_and_fail():
     assert by["kind:a"].n == 6 and by["kind:a"].champion_rate == 5 / 6 and by["kind:a"].challenger_rate == 4 / 6
     assert by["kind:b"].wins == 6 and by["kind:a"].losses == 1
     r = rule_max_slice_regression(slices, 0.1, 5)
-    assert not r.passed and "kind:a (0.833 -> 0.667, n=6)" in r.reason
+    assert not r.passed and "kind:a (0.833 -> 0.667, n=6, 0 won / 1 lost)" in r.reason
     assert rule_max_slice_regression(slices, 0.2, 5).passed
     # the same drop on a slice below min_slice_size is ignored
     assert rule_max_slice_regression(slices, 0.1, 7).passed
+
+
+def test_one_flipped_item_in_a_slice_is_no_evidence_of_harm():
+    # The demo's cycle 2 (seed 1, 96 tokens): 13 wins / 4 losses on 89 items, p = 0.0245, refused because
+    # kind:wrong_arg_value (9 items) went 1 -> 0. Those 13 / 4 outcomes shuffled over the same items trip a
+    # one-item rule 22% of the time, a rule that needs two net losses 5% (docs/gate.md).
+    items = _items([("kind:a", True, False, 1), ("kind:a", False, False, 8), ("kind:b", False, True, 6)])
+    slices = compute_slices(items)
+    r = rule_max_slice_regression(slices, 0.1, 5, 2)
+    assert r.passed and "kind:a (-0.111, n=9, 0 won / 1 lost)" in r.reason and "fewer than 2 net lost items" in r.reason
+    assert not rule_max_slice_regression(slices, 0.1, 5, 1).passed  # the one-item rule refuses it
+    # two lost, none won back: refused
+    two = compute_slices(_items([("kind:a", True, False, 2), ("kind:a", False, False, 7)]))
+    r2 = rule_max_slice_regression(two, 0.1, 5, 2)
+    assert not r2.passed and "kind:a (0.222 -> 0.000, n=9, 0 won / 2 lost)" in r2.reason
+    # three lost and one won is two net; two lost and one won is one
+    assert not rule_max_slice_regression(compute_slices(_items([
+        ("kind:a", True, False, 3), ("kind:a", False, True, 1), ("kind:a", False, False, 6)])), 0.1, 5, 2).passed
+    assert rule_max_slice_regression(compute_slices(_items([
+        ("kind:a", True, False, 2), ("kind:a", False, True, 1), ("kind:a", False, False, 6)])), 0.1, 5, 2).passed
 
 
 def test_slice_regression_exact_threshold_allowed():
@@ -258,6 +278,21 @@ def test_one_worse_slice_blocks_an_otherwise_significant_lift():
     # A blocking rule refuses even below min_paired_items: harm needs no large suite.
     outcome, _ = decide(ev, GateConfig(min_paired_items=100))
     assert outcome == "refused"
+
+
+def test_a_significant_lift_with_one_flipped_item_in_a_slice_passes_by_default():
+    # 40 items: 15 wins overall; the 'tool:g' slice (8 items) loses one item it used to pass (-0.125) and wins none.
+    champ = [0] * 15 + [0] * 17 + [1] * 1 + [1] * 7
+    chall = [1] * 15 + [0] * 17 + [0] * 1 + [1] * 7
+    items = [PairedItem(str(i), bool(c), bool(h), ("tool:f",) if i < 32 else ("tool:g",))
+             for i, (c, h) in enumerate(zip(champ, chall, strict=True))]
+    ev = GateEvidence(paired_stats(champ, chall), tuple(compute_slices(items)), None,
+                      DecontaminationStatus(True, "by construction"))
+    outcome, rules = decide(ev, GateConfig())
+    assert outcome == "passed", [r.reason for r in rules if not r.passed]
+    assert GateConfig().min_slice_net_losses == 2
+    outcome, rules = decide(ev, GateConfig(min_slice_net_losses=1))
+    assert outcome == "refused" and [r.rule for r in rules if not r.passed] == ["max_slice_regression"]
 
 
 def test_p_values_equal_scipy_binomtest():
