@@ -298,7 +298,8 @@ def replay_traffic(base_url: str, items: list[Any], out_path: Path, *, model: st
                 time.sleep(float(r.headers.get("retry-after") or 0) or 0.5 * 2**attempt)
             if r.status_code != 200:
                 raise DemoError(f"the server refused question {item.id}: HTTP {r.status_code} {r.text[:300]}")
-            msg = r.json()["choices"][0]["message"]
+            choice = r.json()["choices"][0]
+            msg = choice["message"]
             with lock:
                 done[0] += 1
                 if progress:
@@ -310,6 +311,8 @@ def replay_traffic(base_url: str, items: list[Any], out_path: Path, *, model: st
                 "model": model,
                 "timestamp": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
                 "metadata": {"gateway": "flywheel-demo", "served_by": base_url, "tool_calls": bool(msg.get("tool_calls")),
+                             # "length": the answer stopped at max_tokens, cut off rather than finished
+                             "finish_reason": choice.get("finish_reason"),
                              **({"wave": wave} if wave is not None else {})},
             }
 
@@ -322,7 +325,9 @@ def replay_traffic(base_url: str, items: list[Any], out_path: Path, *, model: st
         os.fsync(log.fileno())
     os.replace(tmp, out_path)
     n_calls = sum(r["metadata"]["tool_calls"] for r in records)
-    return {"requests": len(items), "answers_with_tool_calls": n_calls, "log": str(out_path),
+    n_cut = sum(r["metadata"]["finish_reason"] == "length" for r in records)
+    return {"requests": len(items), "answers_with_tool_calls": n_calls, "answers_cut": n_cut, "max_tokens": max_tokens,
+            "log": str(out_path),
             "concurrency": concurrency, "wall_s": round(time.perf_counter() - t0, 1),
             "first_question": items[0].id if items else None, "wave": wave, "started_at": started_at}
 
@@ -519,8 +524,9 @@ def run_demo(cfg: FlywheelConfig, profile: str, *, config_path: str | None, over
             traffic = run_wave(cfg, profile, w, items, config_path=config_path, overrides=overrides, ui=ui)
         traffic["champion"] = f"model:{cfg.cycle.model_name}/{champion}"
         waves.append(traffic)
+        cut = f", {traffic['answers_cut']} cut at {traffic['max_tokens']} tokens" if traffic["answers_cut"] else ""
         ui.say(f"wave {w}: {traffic['requests']} requests logged ({traffic['answers_with_tool_calls']} answered "
-               "with a parseable call)")
+               f"with a parseable call{cut})")
         ui.say(f"cycle {w}: flywheel_cycle (Prefect) on the logged traffic …")
         with _timed(timings, f"cycle{w}_s"), ui.cycle() as display:
             result = run_cycle(cfg, config_path=config_path, overrides=overrides, on_progress=display)

@@ -46,6 +46,10 @@ def test_two_waves_of_traffic_through_the_served_champion(demo_run):
         records = [json.loads(line) for line in Path(w["log"]).read_text().splitlines()]
         assert len(records) == w["requests"] and {r["metadata"]["wave"] for r in records} == {w["wave"]}
         assert all({"bfcl_id", "answer", "model", "timestamp"} <= set(r) for r in records)
+        # the server's finish reason is logged; an answer that stopped at max_tokens was cut off
+        assert {r["metadata"]["finish_reason"] for r in records} <= {"stop", "tool_calls", "length"}
+        assert w["answers_cut"] == sum(r["metadata"]["finish_reason"] == "length" for r in records)
+        assert w["max_tokens"] == 12
         ids.append({r["bfcl_id"] for r in records})
     assert not ids[0] & ids[1], "wave 2 must ask questions wave 1 did not"
 
