@@ -19,8 +19,9 @@ keeps its seed, so every run gates on the same held-out suite). The flywheel alw
 seconds, do not grow with a busy machine.
 
 Both models are scored greedily with the gate's decoding on (1) the held-out suite and (2) BFCL
-questions of the four development categories that no wave asked (``--unseen``, default 400: all that
-the demo's two waves leave). Printed per run: pass rates with 95% Wilson intervals and the exact sign
+questions of the four development categories that no wave asked (``--unseen``, default 400 of the 720
+the demo's two waves leave, in proportion per category; which questions those are changed when wave 2
+grew from 70 to 140, so unseen figures before that are on another draw). Printed per run: pass rates with 95% Wilson intervals and the exact sign
 test on the discordant items both ways; pooled over seeds: the summed discordant counts and a bootstrap
 over items (items resampled with replacement, the same draw for every seed, so an item that repeats
 across seeds is counted once per draw) giving the pooled difference's 95% interval and the share of
@@ -338,8 +339,8 @@ def main() -> int:
     ap.add_argument("--out", help="also write the whole result, per-item verdicts included, to this JSON file")
     ap.add_argument("--max-new-tokens", type=int,
                     help="decoding limit of the gate, the probe, the dev split, rollouts and the scoring (default: the "
-                    "cpu profile's 48, which cuts 115 of the 400 unseen questions' reference answers short: 110 of "
-                    "the 165 with several calls; 128 cuts 6)")
+                    "cpu profile's 96, which cuts 28 of the 400 unseen questions' reference answers short; 128 cuts 9. "
+                    "Until the profile's wave 2 grew to 140 questions it was 48, which cut 115 of the 400 then unseen)")
     ap.add_argument("--synth-peer", action="store_true",
                     help="(c) also: SFT of the base model on the same corrections plus every synthetic task the "
                     "flywheel's cycle accepted, for the same CPU-seconds: does the flywheel's synthesis help at all?")
