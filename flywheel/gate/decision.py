@@ -143,7 +143,8 @@ def render_markdown(decision: GateDecision) -> str:
         lines.append(
             f"- answers cut at max_new_tokens ({cut.get('max_new_tokens')}): challenger {cut.get('challenger')}, "
             f"champion {cut.get('champion')} of {n.get('paired_items')} paired items; {cut.get('undecided')} both "
-            "failed with an answer cut short, so the decoding budget decided them (raise `gate.max_new_tokens`)")
+            "failed with an answer cut short: ties a larger `gate.max_new_tokens` could change (a model that "
+            "rambles, as a base model does, fails them at any budget)")
     origin = n.get("by_origin") or {}
     if origin:
         lines += ["", "## Fix rate and keep rate", "",

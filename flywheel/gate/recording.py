@@ -52,9 +52,9 @@ def _by_origin(slices: Sequence[SliceResult]) -> dict[str, dict[str, int | float
 def _truncation(evals: _Evaluations, paired: Sequence[PairedItem]) -> dict[str, Any]:
     """How many paired held-out answers stopped at the decoding budget (``max_new_tokens``).
 
-    A cut-off call rarely parses, so an item both models failed with an answer cut short was decided by
-    the budget, not by the models (``undecided_ids``): a tie the sign test ignores, which a larger
-    ``gate.max_new_tokens`` might turn into a win or a loss. ``counted`` is false when an evaluation was
+    A cut-off call rarely parses, so an item both models failed with an answer cut short
+    (``undecided_ids``) is a tie the sign test ignores that a larger ``gate.max_new_tokens`` might turn
+    into a win or a loss -- or not: a base model that rambles is cut at any budget. ``counted`` is false when an evaluation was
     recorded before answers were counted (its rows have no ``n_truncated``)."""
     ch, cp = evals.challenger.by_task(), evals.champion.by_task()
 
