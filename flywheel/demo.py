@@ -52,8 +52,8 @@ from flywheel.tracking import Tracker
 from flywheel.verifiers.bfcl import load_bfcl
 from flywheel.versioning import load_suite
 
-# Demo-sized settings. "cpu": two waves and two cycles in about 17 minutes (bf16; 21 in fp32) on 2 idle CPU cores after set-up
-# (measured timings in the README); "gpu": larger budgets for a machine with CUDA; "smoke": the same
+# Demo-sized settings. "cpu": two waves and two cycles in about 17 minutes (bf16; 21 in fp32) on 2 idle CPU
+# cores after set-up (measured timings in the README); "gpu": larger budgets for a machine with CUDA; "smoke": the same
 # path with a tiny random model in a few minutes (tests/integration/test_demo.py).
 #
 # "waves": the BFCL questions of each wave, per category; wave 2 takes the questions after wave 1's
@@ -61,9 +61,9 @@ from flywheel.versioning import load_suite
 # evals.heldout_fraction 0.3 that takes >= ~110 distinct wave-1 questions. Wave 2 asks as many as wave 1
 # (140; 70 until this was measured): with 70, cycle 2's gate had 70 items and 26 new, ~30 new corrections to
 # learn from, and a lift of a few items it could not prove (refused in every recorded run, 0 of 10); with 140
-# it has 89 items (45 new) and ~57 new corrections. traffic_max_tokens and gate.max_new_tokens are 96 (48
+# it has 89 items (45 new) and ~60 new corrections. traffic_max_tokens and gate.max_new_tokens are 96 (48
 # until then): at 48, 17 of wave 2's 70 champion answers were cut off and ingested as failures, and 5 of its
-# 26 held-out references were longer than the gate could decode; at 96, 2 of 140 answers are cut.
+# 26 held-out references were longer than the gate could decode; at 96, 2-4 of 140 answers are cut.
 PROFILES: dict[str, dict[str, Any]] = {
     "cpu": {
         "waves": [

@@ -223,8 +223,8 @@ class EvalResult:
             "pass_rate": (sum(r["passed"] for r in s) / len(s)) if s else None,
             "infra_errors": sum(r["infra_error"] is not None for r in rows),
             "nondeterministic": sum((not r["deterministic"]) for r in rows),
-            # items whose (first) answer was cut at max_new_tokens: a cut-off answer rarely parses, so a
-            # high count says the decoding budget, not the model, decided those items
+            # items with an answer cut at max_new_tokens: a cut-off call rarely parses, so a high count says
+            # the decoding budget may have decided those items (or that the model rambles)
             "truncated": sum(bool(r.get("n_truncated")) for r in rows),
             "cached": self.cached,
         }

@@ -54,8 +54,8 @@ def _truncation(evals: _Evaluations, paired: Sequence[PairedItem]) -> dict[str, 
 
     A cut-off call rarely parses, so an item both models failed with an answer cut short
     (``undecided_ids``) is a tie the sign test ignores that a larger ``gate.max_new_tokens`` might turn
-    into a win or a loss -- or not: a base model that rambles is cut at any budget. ``counted`` is false when an evaluation was
-    recorded before answers were counted (its rows have no ``n_truncated``)."""
+    into a win or a loss -- or not: a base model that rambles is cut at any budget. ``counted`` is false
+    when an evaluation was recorded before answers were counted (its rows have no ``n_truncated``)."""
     ch, cp = evals.challenger.by_task(), evals.champion.by_task()
 
     def cut(rows: Mapping[str, Mapping[str, Any]], tid: str) -> bool:
