@@ -18,7 +18,14 @@ Conversions (all deterministic, no information dropped):
 - ``tool`` turns are kept for templates that know the role; for templates that do not (detected by
   the template never mentioning ``"tool"``, e.g. SmolLM2), :func:`render_prompt` renders them as
   user turns whose content starts with ``[tool output: <name>]``
-  (see :func:`tool_turns_as_user`).
+  (see :func:`tool_turns_as_user`);
+- the tool list is written in a canonical key order (:func:`canonical_tool_doc`), not in the order its
+  JSON objects happen to arrive in. JSON objects are unordered, and the stores are not order-preserving:
+  events, suites and training data are canonical JSON with sorted keys, so a tool schema served as
+  ``{"name", "description", "parameters": {"type", "properties": {"location", "hours"}}}`` comes back
+  from a suite as ``{"description", "name", "parameters": {"properties": {"hours", "location"}, ...}}``.
+  Rendered as stored, the gate, the rollouts and SFT saw another prompt than production did (a demo's
+  champion passed 15 of 30 of its production successes rendered from the suite, 28 of 30 as served).
 
 Not covered: images and other non-text content parts (text parts are concatenated, others are
 rejected with a ``ValueError``).
@@ -49,9 +56,45 @@ TOOL_SYSTEM_PROMPT = (
 TOOL_OUTPUT_TAG = "[tool output: {name}]"
 
 
+# Keys a function doc or a JSON-schema node lists first, in this order; any other key follows, sorted.
+_KEY_ORDER = {k: i for i, k in enumerate(("name", "type", "description", "parameters", "enum", "items",
+                                          "properties", "required", "default"))}
+
+
+def _canonical_node(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_canonical_node(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key in sorted(node, key=lambda k: (_KEY_ORDER.get(k, len(_KEY_ORDER)), k)):
+        value = node[key]
+        if key == "properties" and isinstance(value, dict):
+            # Parameter names: the required ones in the order ``required`` lists them (a list keeps its
+            # order through every store), then the others sorted.
+            req = node.get("required") if isinstance(node.get("required"), list) else []
+            first = list(dict.fromkeys(r for r in req if isinstance(r, str) and r in value))
+            names = first + sorted(n for n in value if n not in first)
+            out[key] = {n: _canonical_node(value[n]) for n in names}
+        else:
+            out[key] = _canonical_node(value)
+    return out
+
+
+def canonical_tool_doc(tool: Any) -> dict[str, Any]:
+    """:func:`~flywheel.vocab.tools.function_doc` with its keys in one canonical order, whatever order
+    they arrived in: ``name``, ``description``, ``parameters``; in every schema node ``type``,
+    ``description``, ``enum``, ``items``, ``properties``, ``required``, ``default``, then the other keys
+    sorted; properties with the required ones first (in ``required``'s order), then the rest sorted.
+    Values are untouched (lists keep their order)."""
+    return _canonical_node(function_doc(tool))  # type: ignore[no-any-return]
+
+
 def tool_system_prompt(tools: list[dict]) -> str:
-    """The system prompt listing ``tools`` (OpenAI or BFCL specs) as JSON, in the given order."""
-    docs = [function_doc(t) for t in tools]
+    """The system prompt listing ``tools`` (OpenAI or BFCL specs) as JSON: the tools in the given order,
+    each in :func:`canonical_tool_doc`'s key order, so a schema renders the same whichever store it
+    came through."""
+    docs = [canonical_tool_doc(t) for t in tools]
     return TOOL_SYSTEM_PROMPT.format(functions=json.dumps(docs, ensure_ascii=False))
 
 

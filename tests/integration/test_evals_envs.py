@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 from flywheel.artifacts import open_artifacts
 from flywheel.cli import app
 from flywheel.envs.harness import run_episodes, verify_task
-from flywheel.envs.testing import ScriptedPolicy
+from flywheel.envs.testing import CharTokenizer, ScriptedPolicy
 from flywheel.policy.base import SamplingParams
-from flywheel.policy.format import render_answer
+from flywheel.policy.format import render_answer, render_prompt
 from flywheel.store import open_store
 from flywheel.verifiers import ToolCall
 from flywheel.verifiers.bfcl import load_bfcl, reference_calls
@@ -130,6 +130,52 @@ def test_bfcl_traffic_to_evals_to_env_to_episodes(cfg, replay_file):
     assert _cli("envs", "build")["events_appended"] == 0
     with open_store(cfg) as s:
         assert s.last_seq() == seq
+
+
+@pytest.mark.slow
+def test_every_suite_renders_the_prompt_production_was_served(cfg, tmp_path):
+    """The gate, the rollouts and SFT render a task from its stored record; `serve` rendered the request.
+    The stores write canonical JSON (sorted keys), so a tool schema comes back from a suite with its keys
+    reordered: the champion was judged -- and trained -- on another prompt than production sent it (a
+    demo's champion passed 15 of 30 of its production successes rendered from the suite, 28 of 30 as
+    served). Every task of every suite
+    must render exactly the prompt its production request rendered."""
+    from flywheel.ingest import ingest_paths
+
+    items = [*load_bfcl("parallel", limit=12), *load_bfcl("multiple", limit=12)]
+    lines = []
+    for i, item in enumerate(items):
+        ref = reference_calls(item.possible_answer)
+        answer = render_answer(ref) if i % 2 == 0 else _wrong(ref, i)
+        lines.append(json.dumps({"bfcl_id": item.id, "answer": answer, "model": "prod-v1",
+                                 "timestamp": f"2026-11-02T09:{i % 60:02d}:00Z"}))
+    replay = tmp_path / "replay.jsonl"
+    replay.write_text("\n".join(lines) + "\n")
+    arts = open_artifacts(cfg)
+    with open_store(cfg) as s:
+        ingest_paths(cfg, s, arts, [str(replay)], fmt="bfcl")
+    _cli("evals", "build")
+    _cli("envs", "build")
+    tok = CharTokenizer()
+    served = {item.question_messages[-1]["content"]: render_prompt(tok, item.question_messages, item.tools)
+              for item in items}
+    seen: dict[str, str] = {}
+
+    def record(prompt_text: str, j: int) -> str:
+        question = next(q for q in served if q in prompt_text)
+        seen[question] = prompt_text
+        return "[]"
+
+    with open_store(cfg) as s:
+        tasks = [*load_suite(s, arts, "heldout").tasks, *load_suite(s, arts, "regression").tasks]
+    tasks += _cli("envs", "show", "train")["task_records"]
+    assert len(tasks) >= len(items) // 2  # (a cluster may be excluded from every suite)
+    # The stored schemas really are reordered (otherwise this test would prove nothing).
+    assert any(list(t["prompt"]["tools"][0]["function"]) != ["name", "description", "parameters"] for t in tasks)
+    run_episodes(tasks, ScriptedPolicy(record, tok), SamplingParams(n=1, max_new_tokens=8), context=cfg)
+    assert len(seen) == len(tasks)
+    differ = [q for q in seen if seen[q] != served[q]]
+    assert not differ, f"{len(differ)} of {len(seen)} tasks render another prompt than production: {differ[:2]}"
 
 
 def test_cli_tables_and_errors(cfg):

@@ -9,11 +9,14 @@ import pytest
 from flywheel.policy.format import (
     TOOL_OUTPUT_TAG,
     build_prompt_messages,
+    canonical_tool_doc,
     render_answer,
     render_prompt,
     template_supports_tool_role,
+    tool_system_prompt,
     tool_turns_as_user,
 )
+from flywheel.vocab.ids import canonical_json
 from flywheel.vocab.toolcalls import ToolCall, parse_tool_calls
 
 WEATHER = {
@@ -149,3 +152,54 @@ def test_render_answer_round_trips_through_the_shared_parser():
     assert render_answer(calls[:1], content="Sure.") == "Sure.\n[math.add(a=1, b=2.5)]"
     with pytest.raises(ValueError, match="needs tool_calls or content"):
         render_answer()
+
+
+# A tool as a client sends it: keys in the author's order, an optional parameter between required ones.
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "description": "Temperature now and for the next hours.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "location": {"type": "string", "description": "City, Country"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "description": "Unit."},
+                "hours": {"type": "integer", "description": "Hours ahead."},
+            },
+            "required": ["location", "hours"],
+        },
+    },
+}
+
+
+def test_the_tool_prompt_does_not_depend_on_the_key_order_a_store_returns():
+    # Events, suites and training data are canonical JSON (sorted keys): a schema comes back from them as
+    # {"description", "name", "parameters": {"properties": {"hours", "location", "unit"}, ...}}. The gate
+    # and SFT render the stored task, `serve` the request: both must see the same prompt.
+    stored = json.loads(canonical_json(FORECAST))
+    assert list(stored["function"]) == ["description", "name", "parameters"]  # what the store does
+    msgs = [{"role": "user", "content": "Temperature in Seattle for 3 hours?"}]
+    served = render_prompt(FakeTokenizer(), msgs, [FORECAST])
+    assert render_prompt(FakeTokenizer(), msgs, [stored]) == served
+    # Reversed orders at every level render the same text too.
+    def rev(x):
+        return {k: rev(x[k]) for k in reversed(list(x))} if isinstance(x, dict) else x
+    assert tool_system_prompt([rev(FORECAST)]) == tool_system_prompt([FORECAST])
+
+
+def test_canonical_tool_doc_lists_required_parameters_first_and_keeps_values():
+    doc = canonical_tool_doc(json.loads(canonical_json(FORECAST)))
+    assert list(doc) == ["name", "description", "parameters"]
+    params = doc["parameters"]
+    assert list(params) == ["type", "properties", "required"]
+    assert list(params["properties"]) == ["location", "hours", "unit"]  # required in their order, then the rest
+    assert list(params["properties"]["unit"]) == ["type", "description", "enum"]
+    assert params["properties"]["unit"]["enum"] == ["celsius", "fahrenheit"]  # lists keep their order
+    assert params["required"] == ["location", "hours"]
+    # Unknown keys follow the known ones, sorted; a property named like a schema key is still a name.
+    odd = {"name": "f", "x-b": 1, "x-a": 2, "parameters": {"type": "object", "properties": {
+        "type": {"type": "string"}, "description": {"type": "string"}}, "required": ["type"]}}
+    out = canonical_tool_doc(odd)
+    assert list(out) == ["name", "parameters", "x-a", "x-b"]
+    assert list(out["parameters"]["properties"]) == ["type", "description"]
