@@ -72,8 +72,9 @@ def _canonical_node(node: Any) -> Any:
         if key == "properties" and isinstance(value, dict):
             # Parameter names: the required ones in the order ``required`` lists them (a list keeps its
             # order through every store), then the others sorted.
-            req = node.get("required") if isinstance(node.get("required"), list) else []
-            first = list(dict.fromkeys(r for r in req if isinstance(r, str) and r in value))
+            req = node.get("required")
+            listed = req if isinstance(req, list) else []
+            first = list(dict.fromkeys(r for r in listed if isinstance(r, str) and r in value))
             names = first + sorted(n for n in value if n not in first)
             out[key] = {n: _canonical_node(value[n]) for n in names}
         else:
