@@ -43,17 +43,21 @@ def _wrong(calls: list[ToolCall], i: int) -> str:
     return render_answer([ToolCall(c.name + "_v2", c.arguments)])
 
 
-@pytest.fixture
-def replay_file(tmp_path):
+def _write_replay(path, items, hour: int = 8):
+    """A BFCL replay log of ``items``: every other answer right, the others wrong in typical ways."""
     lines = []
-    for i, item in enumerate(load_bfcl("simple_python", limit=N)):
+    for i, item in enumerate(items):
         ref = reference_calls(item.possible_answer)
         answer = render_answer(ref) if i % 2 == 0 else _wrong(ref, i)
         lines.append(json.dumps({"bfcl_id": item.id, "answer": answer, "model": "prod-v1",
-                                 "timestamp": f"2026-11-02T08:{i % 60:02d}:00Z"}))
-    p = tmp_path / "replay.jsonl"
-    p.write_text("\n".join(lines) + "\n")
-    return p
+                                 "timestamp": f"2026-11-02T{hour:02d}:{i % 60:02d}:00Z"}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def replay_file(tmp_path):
+    return _write_replay(tmp_path / "replay.jsonl", load_bfcl("simple_python", limit=N))
 
 
 def _cli(*args: str) -> dict:
@@ -143,14 +147,7 @@ def test_every_suite_renders_the_prompt_production_was_served(cfg, tmp_path):
     from flywheel.ingest import ingest_paths
 
     items = [*load_bfcl("parallel", limit=12), *load_bfcl("multiple", limit=12)]
-    lines = []
-    for i, item in enumerate(items):
-        ref = reference_calls(item.possible_answer)
-        answer = render_answer(ref) if i % 2 == 0 else _wrong(ref, i)
-        lines.append(json.dumps({"bfcl_id": item.id, "answer": answer, "model": "prod-v1",
-                                 "timestamp": f"2026-11-02T09:{i % 60:02d}:00Z"}))
-    replay = tmp_path / "replay.jsonl"
-    replay.write_text("\n".join(lines) + "\n")
+    replay = _write_replay(tmp_path / "replay.jsonl", items, hour=9)
     arts = open_artifacts(cfg)
     with open_store(cfg) as s:
         ingest_paths(cfg, s, arts, [str(replay)], fmt="bfcl")
