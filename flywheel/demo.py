@@ -52,7 +52,7 @@ from flywheel.tracking import Tracker
 from flywheel.verifiers.bfcl import load_bfcl
 from flywheel.versioning import load_suite
 
-# Demo-sized settings. "cpu": two waves and two cycles in about 17 minutes (bf16; 21 in fp32) on 2 idle CPU
+# Demo-sized settings. "cpu": two waves and two cycles in 14-17 minutes (bf16; about 20 in fp32) on 2 idle CPU
 # cores after set-up (measured timings in the README); "gpu": larger budgets for a machine with CUDA; "smoke": the same
 # path with a tiny random model in a few minutes (tests/integration/test_demo.py).
 #
