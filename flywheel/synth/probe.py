@@ -51,10 +51,18 @@ wrong_value               schema_values 0.75, mutate 0.25
 missing_argument          schema_values 0.5, mutate 0.5
 extra_argument            masked_names 0.5, mutate 0.5
 wrong_function            distractor 0.5, masked_names 0.5
-missing_call, extra_call  parallel 1.0
+missing_call              parallel 1.0
+extra_call                mutate 1.0 (requests answered with the calls they need and no more)
 unexpected_call           irrelevance 1.0
 unparseable, other        mutate 1.0 (more demonstrations of the call syntax)
 ========================  ==========================================================
+
+``extra_call`` went to ``parallel`` at first: a model that makes more calls than were
+due was given more requests answered with several calls. On seed 1 of
+``benchmarks/bench_flywheel_vs_sft.py`` the probe counted 4 extra calls of 13 failures, and the shipped
+model made 30 extra calls on the 234 unseen single-call questions (``simple_python``, ``multiple``)
+against plain SFT's 23. ``mutate`` re-asks a request with other values and keeps its shape, so its
+variants are answered with as many calls as their seeds.
 
 Each generator's weight is the sum over kinds of (primary count x share); the budget is split in
 proportion after a floor (``floor`` x budget, at least one variant when the budget allows) for
@@ -94,7 +102,7 @@ KIND_TO_GENERATORS: dict[str, dict[str, float]] = {
     "extra_argument": {"masked_names": 0.5, "mutate": 0.5},
     "wrong_function": {"distractor": 0.5, "masked_names": 0.5},
     "missing_call": {"parallel": 1.0},
-    "extra_call": {"parallel": 1.0},
+    "extra_call": {"mutate": 1.0},
     "unexpected_call": {"irrelevance": 1.0},
     "unparseable": {"mutate": 1.0},
     "other": {"mutate": 1.0},

@@ -113,12 +113,12 @@ def test_a_verifier_that_cannot_judge_is_not_counted_as_a_failure(monkeypatch):
 def test_plan_follows_the_counts_with_the_floor_worked_by_hand():
     report = probe_counts([t for t, _, _ in RECORDED], [a for _, a, _ in RECORDED])
     # floor: max(1, floor(0.05 * 40)) = 2 each -> 12, 28 left. Weights: schema_values 0.75 + 0.5 = 1.25,
-    # masked_names 0.5 + 0.5 = 1, distractor 0.5, parallel 2 + 1 = 3, irrelevance 1,
-    # mutate 0.25 + 0.5 + 1 + 0.5 = 2.25 (total 9). 28 * w / 9 = 3.89, 3.11, 1.56, 9.33, 3.11, 7.0:
-    # floors 3, 3, 1, 9, 3, 7 (26); the 2 largest remainders go to schema_values and distractor.
+    # masked_names 0.5 + 0.5 = 1, distractor 0.5, parallel 2 (the missing calls), irrelevance 1,
+    # mutate 0.25 + 0.5 + 1 + 0.5 + 1 (the extra call) = 3.25 (total 9). 28 * w / 9 = 3.89, 3.11, 1.56, 6.22,
+    # 3.11, 10.11: floors 3, 3, 1, 6, 3, 10 (26); the 2 largest remainders go to schema_values and distractor.
     plan = plan_generators(report, 40)
-    assert plan == {"schema_values": 6, "masked_names": 5, "distractor": 4, "parallel": 11, "irrelevance": 5,
-                    "mutate": 9}
+    assert plan == {"schema_values": 6, "masked_names": 5, "distractor": 4, "parallel": 8, "irrelevance": 5,
+                    "mutate": 12}
     assert sum(plan.values()) == 40
 
 
@@ -134,6 +134,15 @@ def test_plan_sends_value_errors_to_schema_values_and_spreads_evenly_without_fai
                                                       "parallel": 0, "irrelevance": 0, "mutate": 0}
     with pytest.raises(ValueError, match="unknown error kind"):
         plan_generators({"bogus": 1}, 10)
+
+
+def test_extra_calls_are_answered_with_single_shape_variants_not_more_parallel_ones():
+    """A model that makes more calls than were due needs requests answered with exactly the calls they need
+    (``mutate`` keeps a seed's shape), not more multi-call requests: ``extra_call`` sent weight to
+    ``parallel`` until it was measured (the shipped model made more extra calls than plain SFT)."""
+    plan = plan_generators({"extra_call": 5}, 10, floor=0.0)
+    assert plan["parallel"] == 0 and plan["mutate"] == 10
+    assert plan_generators({"missing_call": 5}, 10, floor=0.0)["parallel"] == 10
 
 
 def test_run_probe_decodes_greedily_with_the_tools_and_counts():
