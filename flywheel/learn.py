@@ -289,6 +289,30 @@ class _Clock:
         return round(time.perf_counter() - self.t0, 2), round(time.process_time() - self.c0, 2)
 
 
+def cap_synthetic(synth: Sequence[dict], n_real: int, share: float, *, seed: int = 0) -> list[dict]:
+    """The synthetic tasks the targeted arm trains when they may make up at most ``share`` of its
+    demonstrations beside ``n_real`` real ones (``train.synthetic_share``): all of them when they fit,
+    else ``floor(share / (1 - share) x n_real)`` of them, each generator keeping its share of what was
+    accepted (largest remainder, ties by generator name) and, within a generator, a seeded hash order."""
+    if share >= 1.0 or not synth:
+        return list(synth)
+    keep = math.floor(share / (1.0 - share) * n_real + 1e-9)
+    if keep >= len(synth):
+        return list(synth)
+    by_gen: dict[str, list[dict]] = {}
+    for t in synth:
+        by_gen.setdefault(str(_md(t).get("generator") or "?"), []).append(t)
+    exact = {g: keep * len(ts) / len(synth) for g, ts in by_gen.items()}
+    quota = {g: math.floor(x) for g, x in exact.items()}
+    for g in sorted(by_gen, key=lambda g: (-(exact[g] - quota[g]), g))[: keep - sum(quota.values())]:
+        quota[g] += 1
+    kept = []
+    for g, ts in by_gen.items():
+        kept += sorted(ts, key=lambda x: digest(f"synthetic_share|{seed}|{x['task_id']}"))[: quota[g]]
+    chosen = {x["task_id"] for x in kept}
+    return [t for t in synth if t["task_id"] in chosen]
+
+
 def _demos(tasks: Sequence[dict], regression: Sequence[dict] = ()) -> list[Demonstration]:
     return demonstrations_from_tasks(list(tasks), list(regression))
 
@@ -446,6 +470,8 @@ def run_learning(
             raise TrainStageError(f"the shipped stream trained nothing: {arm.skipped}")
         why = (f"train.synthesis_in = stream: the first-pass model continued {arm.steps} steps on the real corrections "
                f"and {arm.detail.get('synthetic', 0)} synthetic tasks; no trial, no dev split")
+        if arm.detail.get("real_tail"):
+            why += f"; the last {arm.detail['real_tail']['steps']} steps on the real corrections alone (train.stream_real_tail)"
         if arm.name == "control":
             why = "train.synthesis_in = stream, but no synthetic task was accepted: the control's stream ships"
         version, entity, blend = _blend(cfg, store, tracker, arm.model_version, arm.model_entity, base,
@@ -593,16 +619,32 @@ def _stream(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tr
     data when the synthesis accepted nothing. Returns the arm that ships and the regression check."""
     t = cfg.train
     steps = t.arm_steps + t.continue_steps
+    # train.stream_real_tail: the last steps continue plain SFT's data stream (the real corrections alone)
+    tail = min(steps - 1, math.floor(t.stream_real_tail * steps + 1e-9)) if steps > 1 else 0
     checked = ArmResult("targeted", model_version=first.model_version, model_entity=first.model_entity)
     reg_check, repair_demos = _regression_check(cfg, tracker, checked, regression, say)
     resume = (first.steps, total, first.optimizer_state) if total is not None else None
     arm = _train_arm("targeted", cfg, store, artifacts, tracker, first.model_entity, train_real, regression, env, set(),
-                     say, correlation_id=correlation_id, steps=steps, budget_cpu_s=None, phase="stream",
+                     say, correlation_id=correlation_id, steps=steps - tail, budget_cpu_s=None, phase="stream",
                      repair_demos=repair_demos, resume=resume)
     if arm.skipped is not None:  # no synthetic task: the same steps of plain SFT, the control's stream
         arm = _train_arm("control", cfg, store, artifacts, tracker, first.model_entity, train_real, regression, env,
                          set(), say, correlation_id=correlation_id, steps=steps, start_step=first.steps,
                          budget_cpu_s=None, phase="stream", repair_demos=repair_demos, resume=resume)
+    elif tail > 0 and arm.model_entity is not None:
+        mixed = arm
+        resume = (first.steps + mixed.steps, total, mixed.optimizer_state) if total is not None else None
+        real = _train_arm("control", cfg, store, artifacts, tracker, mixed.model_entity, train_real, regression, env,
+                          set(), say, correlation_id=correlation_id, steps=tail, start_step=first.steps,
+                          budget_cpu_s=None, phase="stream real tail", resume=resume)
+        if real.model_entity is not None:
+            arm = ArmResult("targeted", model_version=real.model_version, model_entity=real.model_entity,
+                            run_id=real.run_id, mlflow_run_id=real.mlflow_run_id, steps=mixed.steps + real.steps,
+                            tokens=mixed.tokens + real.tokens, cpu_s=mixed.cpu_s + real.cpu_s,
+                            wall_s=mixed.wall_s + real.wall_s, detail=dict(mixed.detail),
+                            optimizer_state=real.optimizer_state)
+            arm.detail["real_tail"] = {"steps": real.steps, "mixed_steps": mixed.steps,
+                                       "mixed_model_entity": mixed.model_entity, "demonstrations": real.detail.get("demonstrations")}
     arm.detail["phase"] = "stream"
     return arm, reg_check
 
@@ -725,10 +767,15 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
         if not synth:
             arm.skipped = "no synthetic task was accepted for the targeted arm"
         else:
-            demos = _demos(train_real, _without(regression, dev)) + _demos(synth)
+            real_demos = _demos(train_real, _without(regression, dev))
+            accepted = len(synth)
+            synth = cap_synthetic(synth, len(real_demos), t.synthetic_share, seed=t.seed)
+            demos = real_demos + _demos(synth)
             res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
                             budget_cpu_s=budget, start_step=start_step, extra_demonstrations=extras, **carry)
             arm.detail.update(demonstrations=len(demos), synthetic=len(synth), start_step=start_step)
+            if len(synth) < accepted:
+                arm.detail["synthetic_capped"] = {"accepted": accepted, "share": t.synthetic_share}
     elif name == "rpo":
         from flywheel.train.preference import pairs_from_samples, pairs_from_tasks, publish_pairs, train_rpo
 

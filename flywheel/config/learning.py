@@ -208,6 +208,18 @@ class TrainConfig(_Section):
         "stands between it and the champion. Falls back to the control's stream when no synthetic task is "
         "accepted.",
     )
+    synthetic_share: float = Field(
+        1.0, gt=0.0, le=1.0, description="mode = arms: the most the accepted synthetic tasks may make up of the targeted "
+        "arm's demonstrations (real corrections + synthetic). Beyond it a seeded sample is kept, every generator "
+        "in proportion to what it had accepted; the real corrections are never dropped. 1: no cap (every "
+        "accepted task trains).",
+    )
+    stream_real_tail: float = Field(
+        0.0, ge=0.0, lt=1.0, description="synthesis_in = stream: the share of the stream's steps (the last ones, at "
+        "the schedule's lowest learning rates) that train on the real corrections alone, continuing plain SFT's "
+        "data stream, so the shipped model's last updates come from the traffic it serves. 0: real and synthetic "
+        "mixed to the end.",
+    )
     dev_fold_in: bool = Field(
         True, description="mode = arms: after the choice, train the dev items' corrections into the shipped model "
         "(ceil(dev / batch_size) steps), so no correction is lost to the dev split.",

@@ -221,6 +221,28 @@ def _synth_tasks(n: int) -> list[dict]:
             for i in range(n)]
 
 
+def test_synthetic_share_caps_the_synthesis_beside_the_real_corrections_keeping_each_generators_share():
+    """train.synthetic_share: the accepted synthetic tasks make up at most that share of the targeted arm's
+    demonstrations; the sample keeps every generator's share of what was accepted, is the same on every call,
+    and keeps the tasks' order. At 1 (the default) or when they fit, every accepted task trains."""
+    from flywheel.learn import cap_synthetic
+
+    synth = [{**t, "metadata": {**t["metadata"], "generator": "parallel" if i < 15 else "mutate"}}
+             for i, t in enumerate(_synth_tasks(20))]
+    assert cap_synthetic(synth, 12, 1.0) == synth
+    assert cap_synthetic(synth, 60, 0.25) == synth  # room for 20: all fit
+    kept = cap_synthetic(synth, 12, 0.25)  # floor(12 / 3) = 4 synthetic beside 12 real: 20% -> 25% of 16
+    assert len(kept) == 4 and len(kept) / (len(kept) + 12) == 0.25
+    gens = [t["metadata"]["generator"] for t in kept]
+    assert gens.count("parallel") == 3 and gens.count("mutate") == 1  # 15:5 accepted -> 3:1 kept
+    assert kept == cap_synthetic(synth, 12, 0.25) and kept == [t for t in synth if t in kept]
+    assert len(cap_synthetic(synth, 12, 0.5)) == 12  # half: as many synthetic as real
+    with pytest.raises(ValueError):
+        from flywheel.config.learning import TrainConfig
+
+        TrainConfig(synthetic_share=0.0)
+
+
 def test_the_regression_items_the_trial_model_fails_join_the_continuation_repeated():
     """Issue 30: the gate refuses a challenger that fails a regression item the champion passes (one such item
     refused a 12-to-4 cycle-2 challenger). The items the chosen arm's trial model fails come back, repeated,
@@ -423,6 +445,54 @@ def test_synthesis_in_stream_ships_the_first_pass_continued_on_real_and_syntheti
     monkeypatch.setattr(learn, "_dev_loss", lambda cfg, tracker, version, tasks: 0.5)
     r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
     assert len(calls) == 4 and r.dev["items"] >= 2 and [a.name for a in r.arms] == ["control", "targeted"]
+
+
+def test_stream_real_tail_ends_the_stream_on_the_real_corrections_alone_in_the_same_schedule(cfg, store, monkeypatch):
+    """train.stream_real_tail: the stream's last steps continue plain SFT's data stream (no synthetic task) from
+    the mixed steps' model, with their optimizer state and the same schedule; that model ships, its steps and
+    tokens counted with the mixed ones. At 0 the stream is mixed to the end (one training)."""
+    from types import SimpleNamespace
+
+    import flywheel.learn as learn
+    import flywheel.train.stage as stage
+    import flywheel.versioning as versioning
+
+    cfg.train.mode, cfg.train.arms, cfg.train.probe_tasks = "arms", ["control", "targeted"], 8
+    cfg.train.synthesis_in, cfg.train.stream_real_tail = "stream", 0.4
+    cfg.train.arm_steps, cfg.train.continue_steps, cfg.train.batch_size = 2, 3, 4
+    real, synth = _real_tasks(12), _synth_tasks(4)
+    monkeypatch.setattr(versioning, "load_env", lambda *a: SimpleNamespace(tasks=real + synth))
+    monkeypatch.setattr(versioning, "load_suite", lambda *a: SimpleNamespace(tasks=[]))
+    calls: list[dict] = []
+
+    def fake_sft(cfg, store, artifacts, tracker, demos, *, steps, base=None, keep_optimizer_state=False,
+                 schedule=None, optimizer_state=None, start_step=0, **kw):
+        calls.append({"ids": [d.source_entity_id for d in demos], "steps": steps, "base": base, "schedule": schedule,
+                      "resumed": optimizer_state, "start": start_step})
+        v = len(calls) + 1
+        return SimpleNamespace(model_entity=f"model:policy/{v}", model_version=v, run_id=f"run:{v}", mlflow_run_id=None,
+                               steps=steps, metrics={}, history=[{"tokens": 10 * steps}],
+                               optimizer_state={"from": v} if keep_optimizer_state else None)
+
+    monkeypatch.setattr(stage, "train_sft", fake_sft)
+    monkeypatch.setattr(learn, "_probe_and_synthesize",
+                        lambda *a: {"tasks": 8, "counts": {"wrong_value": 3}, "plan": {"schema_values": 4}})
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
+    first, mixed, tail = calls
+    fp = first["steps"]
+    assert mixed["steps"] == 3 and any(i.startswith("synth:") for i in mixed["ids"])
+    assert mixed["schedule"] == (fp, fp + 5) and mixed["resumed"] == {"from": 2}
+    assert tail["steps"] == 2 and tail["base"] == "model:policy/3" and tail["start"] == fp
+    assert not any(i.startswith("synth:") for i in tail["ids"]) and sorted(tail["ids"]) == sorted(first["ids"])
+    assert tail["schedule"] == (fp + 3, fp + 5) and tail["resumed"] == {"from": 3}
+    (arm,) = r.arms
+    assert r.model_version == 4 and arm.name == "targeted" and arm.steps == 5 and arm.tokens == 50
+    assert arm.detail["real_tail"]["steps"] == 2 and arm.detail["real_tail"]["mixed_model_entity"] == "model:policy/3"
+    assert "the last 2 steps on the real corrections alone" in r.why
+    calls.clear()
+    cfg.train.stream_real_tail = 0.0
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
+    assert len(calls) == 2 and calls[1]["steps"] == 5 and "real_tail" not in r.arms[0].detail
 
 
 def test_the_cycle_report_shows_the_regression_check_and_what_it_failed():
