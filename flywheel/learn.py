@@ -473,7 +473,7 @@ def run_learning(
         if arm.detail.get("real_tail"):
             why += f"; the last {arm.detail['real_tail']['steps']} steps on the real corrections alone (train.stream_real_tail)"
         if arm.name == "control":
-            why = "train.synthesis_in = stream, but no synthetic task was accepted: the control's stream ships"
+            why = f"train.synthesis_in = stream, but {arm.detail.get('why', 'no synthetic task was accepted')}: the control's stream ships"
         version, entity, blend = _blend(cfg, store, tracker, arm.model_version, arm.model_entity, base,
                                         correlation_id=correlation_id, say=say)
         tracker.set_alias(cfg.cycle.model_name, "challenger", version)
@@ -628,9 +628,11 @@ def _stream(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tr
                      say, correlation_id=correlation_id, steps=steps - tail, budget_cpu_s=None, phase="stream",
                      repair_demos=repair_demos, resume=resume)
     if arm.skipped is not None:  # no synthetic task: the same steps of plain SFT, the control's stream
+        why_control = arm.skipped
         arm = _train_arm("control", cfg, store, artifacts, tracker, first.model_entity, train_real, regression, env,
                          set(), say, correlation_id=correlation_id, steps=steps, start_step=first.steps,
                          budget_cpu_s=None, phase="stream", repair_demos=repair_demos, resume=resume)
+        arm.detail["why"] = why_control
     elif tail > 0 and arm.model_entity is not None:
         mixed = arm
         resume = (first.steps + mixed.steps, total, mixed.optimizer_state) if total is not None else None
@@ -764,18 +766,22 @@ def _train_arm(name: str, cfg: FlywheelConfig, store: EventStore, artifacts: Art
     elif name == "targeted":
         _, synth = split_sources(env.tasks)
         synth = _without(synth, dev)
+        real_demos = _demos(train_real, _without(regression, dev))
+        kept = cap_synthetic(synth, len(real_demos), t.synthetic_share, seed=t.seed)
         if not synth:
             arm.skipped = "no synthetic task was accepted for the targeted arm"
+        elif not kept:
+            # the cap left no synthetic task: this arm would train the control's data in a restarted stream (in
+            # the stream, the first pass's batches again, in the same order); the control's own stream goes on
+            arm.skipped = (f"train.synthetic_share = {t.synthetic_share} leaves none of the {len(synth)} accepted "
+                           f"synthetic tasks beside {len(real_demos)} real demonstrations")
         else:
-            real_demos = _demos(train_real, _without(regression, dev))
-            accepted = len(synth)
-            synth = cap_synthetic(synth, len(real_demos), t.synthetic_share, seed=t.seed)
-            demos = real_demos + _demos(synth)
+            demos = real_demos + _demos(kept)
             res = train_sft(cfg, store, artifacts, tracker, demos, base=ckpt, steps=n_steps, on_step=on_step,
                             budget_cpu_s=budget, start_step=start_step, extra_demonstrations=extras, **carry)
-            arm.detail.update(demonstrations=len(demos), synthetic=len(synth), start_step=start_step)
-            if len(synth) < accepted:
-                arm.detail["synthetic_capped"] = {"accepted": accepted, "share": t.synthetic_share}
+            arm.detail.update(demonstrations=len(demos), synthetic=len(kept), start_step=start_step)
+            if len(kept) < len(synth):
+                arm.detail["synthetic_capped"] = {"accepted": len(synth), "share": t.synthetic_share}
     elif name == "rpo":
         from flywheel.train.preference import pairs_from_samples, pairs_from_tasks, publish_pairs, train_rpo
 

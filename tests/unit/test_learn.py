@@ -493,6 +493,15 @@ def test_stream_real_tail_ends_the_stream_on_the_real_corrections_alone_in_the_s
     cfg.train.stream_real_tail = 0.0
     r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
     assert len(calls) == 2 and calls[1]["steps"] == 5 and "real_tail" not in r.arms[0].detail
+    # a synthetic_share that leaves no synthetic task (floor(0.05 / 0.95 x 12) = 0): not the first pass's batches
+    # again from step 0, but the control's stream, continued where the first pass stopped
+    calls.clear()
+    cfg.train.synthetic_share = 0.05
+    r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
+    first, shipped = calls
+    assert r.chosen == "control" and shipped["start"] == first["steps"] and shipped["steps"] == 5
+    assert not any(i.startswith("synth:") for i in shipped["ids"])
+    assert "synthetic_share = 0.05 leaves none of the 4 accepted synthetic tasks" in r.why
 
 
 def test_the_cycle_report_shows_the_regression_check_and_what_it_failed():
