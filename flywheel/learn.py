@@ -634,9 +634,9 @@ def _stream(cfg: FlywheelConfig, store: EventStore, artifacts: ArtifactStore, tr
                          budget_cpu_s=None, phase="stream", repair_demos=repair_demos, resume=resume)
         arm.detail["why"] = why_control
     elif tail > 0 and arm.model_entity is not None:
-        mixed = arm
+        mixed, mixed_entity = arm, arm.model_entity
         resume = (first.steps + mixed.steps, total, mixed.optimizer_state) if total is not None else None
-        real = _train_arm("control", cfg, store, artifacts, tracker, mixed.model_entity, train_real, regression, env,
+        real = _train_arm("control", cfg, store, artifacts, tracker, mixed_entity, train_real, regression, env,
                           set(), say, correlation_id=correlation_id, steps=tail, start_step=first.steps,
                           budget_cpu_s=None, phase="stream real tail", resume=resume)
         if real.model_entity is not None:
