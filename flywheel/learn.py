@@ -299,13 +299,12 @@ def cap_synthetic(synth: Sequence[dict], n_real: int, share: float, *, seed: int
     keep = math.floor(share / (1.0 - share) * n_real + 1e-9)
     if keep >= len(synth):
         return list(synth)
+    from flywheel.synth.probe import largest_remainder
+
     by_gen: dict[str, list[dict]] = {}
     for t in synth:
         by_gen.setdefault(str(_md(t).get("generator") or "?"), []).append(t)
-    exact = {g: keep * len(ts) / len(synth) for g, ts in by_gen.items()}
-    quota = {g: math.floor(x) for g, x in exact.items()}
-    for g in sorted(by_gen, key=lambda g: (-(exact[g] - quota[g]), g))[: keep - sum(quota.values())]:
-        quota[g] += 1
+    quota = largest_remainder(keep, {g: float(len(by_gen[g])) for g in sorted(by_gen)})
     kept = []
     for g, ts in by_gen.items():
         kept += sorted(ts, key=lambda x: digest(f"synthetic_share|{seed}|{x['task_id']}"))[: quota[g]]

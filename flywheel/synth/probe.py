@@ -86,7 +86,7 @@ from flywheel.verifiers import VerifyContext
 from flywheel.verifiers.matching import _resolve_name, normalize_expected, tool_index, values_equal
 
 __all__ = ["ERROR_KINDS", "KIND_TO_GENERATORS", "PLANNED_GENERATORS", "UNSCORED", "ProbeReport", "answer_kinds",
-           "classify_answer", "plan_generators", "probe_counts", "run_probe"]
+           "classify_answer", "largest_remainder", "plan_generators", "probe_counts", "run_probe"]
 
 #: Error kinds in priority order (the module docstring defines each).
 ERROR_KINDS = ("unparseable", "unexpected_call", "wrong_function", "missing_call", "extra_call",
@@ -336,12 +336,20 @@ def plan_generators(report: ProbeReport | dict[str, int], budget: int, *, floor:
         weight = dict.fromkeys(names, 1.0)
         total_w = float(len(names))
     if left > 0:
-        exact = {n: left * weight[n] / total_w for n in names}
-        base = {n: math.floor(x) for n, x in exact.items()}
-        rest = left - sum(base.values())
-        order = sorted(names, key=lambda n: (-(exact[n] - base[n]), names.index(n)))
-        for n in order[:rest]:
-            base[n] += 1
+        share = largest_remainder(left, {n: weight[n] for n in names})
         for n in names:
-            plan[n] += base[n]
+            plan[n] += share[n]
     return plan
+
+
+def largest_remainder(total: int, weights: dict[str, float]) -> dict[str, int]:
+    """``total`` split in proportion to ``weights`` (positive sum): each key gets the floor of its exact share,
+    and the units left go to the largest remainders, ties in ``weights``' order. The values sum to ``total``."""
+    names = list(weights)
+    whole = sum(weights.values())
+    exact = {n: total * weights[n] / whole for n in names}
+    out = {n: math.floor(x) for n, x in exact.items()}
+    order = sorted(names, key=lambda n: (-(exact[n] - out[n]), names.index(n)))
+    for n in order[: total - sum(out.values())]:
+        out[n] += 1
+    return out
