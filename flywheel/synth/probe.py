@@ -336,9 +336,9 @@ def plan_generators(report: ProbeReport | dict[str, int], budget: int, *, floor:
         weight = dict.fromkeys(names, 1.0)
         total_w = float(len(names))
     if left > 0:
-        share = largest_remainder(left, {n: weight[n] for n in names})
+        split = largest_remainder(left, {n: weight[n] for n in names})
         for n in names:
-            plan[n] += share[n]
+            plan[n] += split[n]
     return plan
 
 
