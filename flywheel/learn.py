@@ -698,7 +698,7 @@ def _probe_and_synthesize(cfg: FlywheelConfig, tracker: Tracker, version: int, t
     """Greedy answers of the first-pass model on up to ``probe_tasks`` train-side tasks, counted by error
     kind; when ``synthesize`` is given, the synthesis runs with the plan the counts give."""
     from flywheel.policy.registry import load_policy_for_version
-    from flywheel.synth.probe import plan_generators, run_probe
+    from flywheel.synth.probe import PLANNED_GENERATORS, plan_generators, run_probe
 
     t = cfg.train
     tasks = _probe_tasks(t, train_real)
@@ -707,7 +707,13 @@ def _probe_and_synthesize(cfg: FlywheelConfig, tracker: Tracker, version: int, t
     policy = load_policy_for_version(cfg, tracker, cfg.cycle.model_name, version)
     report = run_probe(policy, tasks, max_new_tokens=cfg.gate.max_new_tokens)
     budget = max(cfg.synth.per_seed, 1) * len(train_real)
-    plan = plan_generators(report, budget)
+    # Only the generators the user configured (synth.generators), in the planner's order: a list without
+    # `parallel` must not get parallel variants because the probe counted missing calls.
+    allowed = [g for g in PLANNED_GENERATORS if g in cfg.synth.generators]
+    if not allowed:
+        raise ValueError(f"synth.generators {list(cfg.synth.generators)} names none of the generators the probe "
+                         f"can plan ({', '.join(PLANNED_GENERATORS)}): add one of them")
+    plan = plan_generators(report, budget, generators=allowed)
     info: dict[str, Any] = {"tasks": len(tasks), "counts": dict(report.counts), "plan": plan}
     if synthesize is not None and plan:
         say("learn", {"status": "running", "phase": "synth (aimed by the probe)", "plan": plan})

@@ -716,3 +716,36 @@ def test_the_learning_stage_ships_the_blend_below_one_and_the_trained_model_at_o
     cfg.train.champion_blend = 0.5
     r = learn.run_learning(cfg, store, None, _QuietTracker(), base="tiny")
     assert r.model_entity == f"model:policy/{len(calls) + 10}" and "base model" in r.blend["skipped"]
+
+
+def test_the_probe_plans_only_the_generators_the_user_configured(cfg, monkeypatch):
+    """synth.generators is the user's list of generators; the probe-aimed plan used every generator it knows
+    whatever that list said, so a list without `parallel` still got parallel variants when the probe counted
+    missing calls. The plan keeps to the list (in the planner's order), and a list with none the probe can
+    plan is refused with the reason."""
+    from flywheel.policy import registry
+    from flywheel.synth import probe
+
+    import flywheel.learn as learn
+
+    counts = dict.fromkeys(probe.ERROR_KINDS, 0) | {"missing_call": 5, "wrong_value": 3}
+    report = probe.ProbeReport(total=8, scored=8, passed=0, failed=8, counts=counts, all_counts=dict(counts),
+                               per_task={}, shares={})
+    monkeypatch.setattr(registry, "load_policy_for_version", lambda *a, **k: object())
+    monkeypatch.setattr(probe, "run_probe", lambda policy, tasks, **k: report)
+    cfg.synth.per_seed = 2
+    plans: list[dict] = []
+    tasks = _real_tasks(10)
+
+    cfg.synth.generators = ["mutate", "schema_values", "parallel"]
+    learn._probe_and_synthesize(cfg, None, 1, tasks, lambda plan: plans.append(plan) or {}, lambda *a: None)
+    assert plans[-1]["parallel"] > 0 and set(plans[-1]) == {"schema_values", "parallel", "mutate"}
+
+    cfg.synth.generators = ["mutate", "schema_values", "paraphrase"]  # no parallel: its weight goes to nobody
+    info = learn._probe_and_synthesize(cfg, None, 1, tasks, lambda plan: plans.append(plan) or {}, lambda *a: None)
+    assert set(plans[-1]) == {"schema_values", "mutate"} and sum(plans[-1].values()) == 20
+    assert info["plan"] == plans[-1]
+
+    cfg.synth.generators = ["paraphrase", "enumeration"]
+    with pytest.raises(ValueError, match="names none of the generators the probe can plan"):
+        learn._probe_and_synthesize(cfg, None, 1, tasks, lambda plan: {}, lambda *a: None)
