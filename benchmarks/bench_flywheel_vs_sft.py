@@ -216,7 +216,8 @@ def synth_peer(cfg: Any, store: Any, artifacts: Any, tracker: Any, demos: list, 
     log(f"{tag}: (c) SFT + synthesis, {steps} steps on {len(demos)} corrections + {len(sdemos)} synthetic "
         f"within {budget_cpu:.0f} CPU-s …")
     c0, t0 = time.process_time(), time.perf_counter()
-    res = train_sft(cfg, store, artifacts, tracker, mixed, base=cfg.policy.base_model, steps=steps, budget_cpu_s=budget_cpu)
+    res = train_sft(cfg, store, artifacts, tracker, mixed, base=cfg.policy.base_model, steps=steps, budget_cpu_s=budget_cpu,
+                    decision_weight=1.0)
     info = {"model": f"model:{cfg.cycle.model_name}/{res.model_version}", "steps": res.steps, "planned_steps": steps,
             "cpu_s": round(time.process_time() - c0, 1), "wall_s": round(time.perf_counter() - t0, 1),
             "demonstrations": len(mixed), "synthetic": len(sdemos),
@@ -274,12 +275,13 @@ def paired(suite: Any, a: dict[str, bool], b: dict[str, bool]) -> dict[str, Any]
 def plain_sft(cfg: Any, store: Any, artifacts: Any, tracker: Any, demos: list, steps: int,
               budget_cpu: float) -> tuple[Any, float, float]:
     """(b): SFT of the base model on ``demos`` for ``steps`` within ``budget_cpu`` process CPU-seconds;
-    returns the run's result, its CPU-seconds and its wall seconds."""
+    returns the run's result, its CPU-seconds and its wall seconds. Plain: every answer token weighs the
+    same (``decision_weight = 1``), whatever ``--set train.decision_weight`` gives the flywheel."""
     from flywheel.train.stage import train_sft
 
     c0, t0 = time.process_time(), time.perf_counter()
     sft = train_sft(cfg, store, artifacts, tracker, demos, base=cfg.policy.base_model, steps=steps,
-                    budget_cpu_s=budget_cpu)
+                    budget_cpu_s=budget_cpu, decision_weight=1.0)
     return sft, time.process_time() - c0, time.perf_counter() - t0
 
 

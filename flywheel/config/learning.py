@@ -271,6 +271,12 @@ class TrainConfig(_Section):
     sft_steps: int = Field(16, ge=0, description="Optimizer steps of the SFT warm start.")
     lr: float = Field(1e-5, gt=0, description="Peak learning rate of GRPO.")
     sft_lr: float = Field(1e-4, gt=0, description="Peak learning rate of the SFT warm start.")
+    decision_weight: float = Field(
+        1.0, gt=0.0, description="SFT loss weight of the answer tokens that decide its structure: the first "
+        "token (a call or prose), function names, argument names, and the character after each argument value "
+        "and each call (another one, or no more). 1.0: every answer token weighs the same (plain SFT). Extra "
+        "calls, extra arguments and wrong functions are decided there (docs/learning.md).",
+    )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Floor of the cosine decay as a share of the peak lr (0: decays to 0)."
     )

@@ -59,7 +59,7 @@ class TrainSample:
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    loss_mask: list[int]
+    loss_mask: list[float]  # 1 = trained, 0 = not; other values weight a token (SFT decision tokens)
     advantage: float = 0.0
     sampler_logprobs: list[float] | None = None
     old_logprobs: list[float] | None = None  # filled by the trainer when the policy moved since sampling

@@ -56,10 +56,39 @@ def render_demonstration(tokenizer: Any, demo: Demonstration, eot: str | None = 
     return prompt, target
 
 
+def decision_token_weights(tokenizer: Any, demo: Demonstration, target: str, weight: float) -> list[float]:
+    """Per-token loss weights of ``target`` (:func:`render_demonstration`'s, tokenised without special
+    tokens): ``weight`` on the tokens where the answer's structure is decided, 1.0 elsewhere.
+
+    Decided: the answer's first token (a call or prose), and in the calls each function name, argument
+    name, and the character after each argument value and each call (another one, or no more), the spans of
+    :func:`flywheel.vocab.toolcalls.tool_call_decisions`. A token that overlaps a span carries its weight.
+    The tokenizer must give character offsets (a "fast" tokenizer)."""
+    from flywheel.vocab.toolcalls import tool_call_decisions
+
+    enc = tokenizer(target, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    spans: list[tuple[int, int]] = []
+    if demo.answer_calls:
+        calls_text, decided = tool_call_decisions(list(demo.answer_calls))
+        start = target.rfind(calls_text)
+        if start < 0:
+            raise ValueError(f"demonstration from {demo.source_entity_id}: its calls are not in its rendered answer")
+        spans = [(start + a, start + b) for a, b, _ in decided]
+    out = [1.0] * len(offsets)
+    for t, (a, b) in enumerate(offsets):
+        if t == 0 or any(a < e and s < b for s, e in spans):
+            out[t] = weight
+    return out
+
+
 def demonstration_samples(
-    tokenizer: Any, demos: Sequence[Demonstration], *, max_seq_len: int | None = None
+    tokenizer: Any, demos: Sequence[Demonstration], *, max_seq_len: int | None = None,
+    decision_weight: float = 1.0,
 ) -> list[TrainSample]:
     """Tokenised SFT samples: loss mask 1 on every answer token (end-of-turn included), 0 on the prompt.
+    ``decision_weight`` != 1 weights the tokens that decide the answer's structure
+    (:func:`decision_token_weights`; the loss stays normalised by the count of answer tokens).
 
     Each sample is its own group (``<source>#<index>``): :func:`flywheel.train.trainer.batches` keeps a
     group whole in one batch, and demonstrations share a source when they come from one synthesis batch
@@ -75,8 +104,14 @@ def demonstration_samples(
             raise ValueError(
                 f"demonstration {i} from {d.source_entity_id}: {len(p) + len(c)} tokens > max_seq_len {max_seq_len}"
             )
+        mask: list[float] = [1.0] * len(c)
+        if decision_weight != 1.0:
+            mask = decision_token_weights(tokenizer, d, target, decision_weight)
+            if len(mask) != len(c):
+                raise ValueError(f"demonstration {i} from {d.source_entity_id}: the answer tokenises differently "
+                                 "with character offsets")
         out.append(
-            TrainSample(prompt_ids=list(p), completion_ids=list(c), loss_mask=[1] * len(c), group_id=f"{d.source_entity_id}#{i}")
+            TrainSample(prompt_ids=list(p), completion_ids=list(c), loss_mask=mask, group_id=f"{d.source_entity_id}#{i}")
         )
     return out
 

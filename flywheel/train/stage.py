@@ -418,6 +418,7 @@ def train_sft(
     optimizer_state: dict[str, Any] | None = None,
     keep_optimizer_state: bool = False,
     extra_demonstrations: Sequence[Demonstration] = (),
+    decision_weight: float | None = None,
 ) -> TrainResult:
     """Supervised warm start on demonstrations (answer tokens only); registers the result as ``challenger``.
     ``budget_cpu_s``: stop once the run has used this many process CPU-seconds (the learning stage's arms).
@@ -430,6 +431,8 @@ def train_sft(
     ``extra_demonstrations``: trained exactly once each, added round-robin to the run's batches
     (:func:`flywheel.train.trainer.spread`) without changing the data stream of ``demonstrations`` (the
     learning stage's dev corrections and regression repairs in a continuation).
+    ``decision_weight``: the loss weight of the answer tokens that decide its structure (default
+    ``cfg.train.decision_weight``; 1.0 is plain SFT, :func:`flywheel.train.sft.decision_token_weights`).
 
     Refuses held-out demonstrations (:class:`flywheel.train.demos.HeldOutDemonstrationError`) before
     loading anything. ``cfg.train.sft_steps`` steps of ``cfg.train.batch_size`` demonstrations at
@@ -445,7 +448,8 @@ def train_sft(
     base = base or cfg.policy.base_model
     n_steps = cfg.train.sft_steps if steps is None else steps
     model, tok, base_spec = load_policy(cfg, tracker, base, device=_device(cfg))
-    every = demonstration_samples(tok, [*demonstrations, *extras])
+    weight = cfg.train.decision_weight if decision_weight is None else decision_weight
+    every = demonstration_samples(tok, [*demonstrations, *extras], decision_weight=weight)
     samples, extra_samples = every[: len(demonstrations)], every[len(demonstrations):]
     # Each demonstration is its own group, so `batches` shuffles them individually.
     opts = trainer_options(cfg, objective="sft", lr=cfg.train.sft_lr if lr is None else lr, steps=n_steps)
@@ -466,7 +470,7 @@ def train_sft(
         extra_params={"demonstrations": len(demonstrations), "extra_demonstrations": len(extras),
                       "batch_size": cfg.train.batch_size, "start_step": start_step,
                       "schedule_offset": opts.schedule_offset, "schedule_total": opts.total_steps,
-                      "resumed_optimizer": optimizer_state is not None},
+                      "resumed_optimizer": optimizer_state is not None, "decision_weight": weight},
         run_payload={"demonstrations": len(demonstrations), "sources": len(sources), "start_step": start_step,
                      **({"extra_demonstrations": len(extras)} if extras else {}),
                      **({"schedule": {"offset": opts.schedule_offset, "total": opts.total_steps,

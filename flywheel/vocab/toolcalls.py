@@ -403,12 +403,44 @@ def format_tool_calls(calls: list[ToolCall]) -> str:
     """The canonical pythonic form ``[fn(a=1, b='x'), m.g(y=[1, 2])]``: what the policy is trained to
     emit. Deterministic: arguments in the order given. ``parse_tool_calls(format_tool_calls(c)).calls
     == c`` for every list of calls with JSON-typed arguments and identifier names."""
-    parts = []
-    for c in calls:
+    return tool_call_decisions(calls)[0]
+
+
+#: What each span of :func:`tool_call_decisions` decides.
+DECISION_KINDS = ("function", "argument", "arguments_end", "calls_end")
+
+
+def tool_call_decisions(calls: list[ToolCall]) -> tuple[str, list[tuple[int, int, str]]]:
+    """:func:`format_tool_calls`' text and the character spans ``(start, end, kind)`` where the answer's
+    structure is decided, as opposed to copied or punctuated:
+
+    - ``function``: each function name (which function to call);
+    - ``argument``: each argument name (which argument to pass next);
+    - ``arguments_end``: the character after each argument value, or after ``(`` of a call without
+      arguments -- ``,`` (another argument) or ``)`` (no more);
+    - ``calls_end``: the character after each call -- ``,`` (another call) or ``]`` (no more).
+
+    The extra calls, extra or missing arguments and wrong functions that dominate a small model's errors
+    are decided at these characters (:mod:`flywheel.synth.probe` counts them); the learning stage can weight
+    their tokens (``train.decision_weight``)."""
+    text, spans = "[", []
+    for i, c in enumerate(calls):
         if not _DOTTED.match(c.name):
             raise ValueError(f"function name {c.name!r} is not a (dotted) Python identifier")
-        for k in c.arguments:
+        if i:
+            text += ", "
+        spans.append((len(text), len(text) + len(c.name), "function"))
+        text += f"{c.name}("
+        if not c.arguments:
+            spans.append((len(text), len(text) + 1, "arguments_end"))
+        for j, (k, v) in enumerate(c.arguments.items()):
             if not k.isidentifier() or keyword.iskeyword(k):
                 raise ValueError(f"argument name {k!r} of {c.name} is not a Python identifier")
-        parts.append(f"{c.name}(" + ", ".join(f"{k}={_render(v)}" for k, v in c.arguments.items()) + ")")
-    return "[" + ", ".join(parts) + "]"
+            if j:
+                text += ", "
+            spans.append((len(text), len(text) + len(k), "argument"))
+            text += f"{k}={_render(v)}"
+            spans.append((len(text), len(text) + 1, "arguments_end"))
+        text += ")"
+        spans.append((len(text), len(text) + 1, "calls_end"))
+    return text + "]", spans

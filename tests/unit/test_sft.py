@@ -147,3 +147,47 @@ def test_the_dev_loss_is_the_sft_loss_of_the_answers_per_loss_token():
     assert mean_answer_nll(model, samples) < got
     with pytest.raises(ValueError, match="loss token"):
         mean_answer_nll(model, [TrainSample(prompt_ids=[1], completion_ids=[2], loss_mask=[0])])
+
+
+def test_decision_weight_lands_on_the_tokens_that_decide_the_answers_structure(tmp_path):
+    """Issue 30: the shipped model's unseen errors are mostly structural -- an extra call after the right one,
+    an extra argument, the wrong function. ``decision_weight`` weights the tokens where those are decided:
+    the first answer token, function and argument names, and the character after each value and each call.
+    Copied values and the rest of the punctuation keep weight 1; 1.0 is plain SFT, bit for bit."""
+    from transformers import AutoTokenizer
+
+    from flywheel.policy.models import ensure_base_model
+    from flywheel.train.sft import demonstration_samples
+    from flywheel.vocab.toolcalls import ToolCall
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_base_model("tiny", tmp_path / "models")))
+    calls = [ToolCall(name="get_weather", arguments={"city": "Tel Aviv, Israel", "unit": "celsius"})]
+    d = Demonstration(messages=[{"role": "user", "content": "weather in Tel Aviv?"}], tools=None,
+                      source_entity_id="eval:e1", split="train", answer_calls=calls)
+    (plain,) = demonstration_samples(tok, [d])
+    (weighted,) = demonstration_samples(tok, [d], decision_weight=3.0)
+    assert plain.completion_ids == weighted.completion_ids and set(plain.loss_mask) == {1.0}
+    pieces = [tok.decode([t]) for t in weighted.completion_ids]
+    heavy = "".join(p for p, w in zip(pieces, weighted.loss_mask, strict=True) if w == 3.0)
+    light = "".join(p for p, w in zip(pieces, weighted.loss_mask, strict=True) if w == 1.0)
+    assert set(weighted.loss_mask) == {1.0, 3.0}
+    for decided in ("get_weather", "city", "unit"):
+        assert decided in heavy and decided not in light
+    for copied in ("Tel", "Aviv", "Israel", "celsius"):
+        assert copied in light and copied not in heavy
+    assert weighted.loss_mask[0] == 3.0  # a call or prose
+    # after the last argument's value `)`, after the call `]`: both decided; the end-of-turn follows `]`
+    assert heavy.rstrip().endswith(")]") or heavy.rstrip().endswith("]")
+    assert weighted.loss_mask[-1] == 1.0  # the end-of-turn itself is forced by `]`, not decided
+
+
+def test_a_weighted_answer_token_gets_its_weight_of_the_gradient_normalised_by_the_token_count():
+    # decision_weight's contract with the trainer: a loss-mask value other than 0/1 weights that token's
+    # NLL, and the step still divides by the count of answer tokens (3 here), not by the weights' sum.
+    model = tiny_lm()
+    s = TrainSample(prompt_ids=[1, 5], completion_ids=[9, 11, 10], loss_mask=[3.0, 1.0, 1.0])
+    (mb,) = make_micro_batches([s], token_budget=64)
+    logp, _ = sequence_logprobs(model, mb)
+    logp.retain_grad()
+    sft_loss(LossInputs(logp=logp, mask=mb.mask, advantages=torch.zeros(1), num_tokens=s.n_loss_tokens)).loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-1.0, -1 / 3, -1 / 3])
