@@ -120,3 +120,15 @@ def test_format_parse_round_trip(spec):
         assert r.error is None and r.calls == calls
     else:
         assert r.calls == []
+
+
+def test_decision_spans_mark_names_and_the_character_after_each_value_and_call():
+    from flywheel.vocab.toolcalls import ToolCall, format_tool_calls, tool_call_decisions
+
+    calls = [ToolCall("geo.find", {"city": "Tel Aviv, Israel", "n": 2}), ToolCall("now", {})]
+    text, spans = tool_call_decisions(calls)
+    assert text == format_tool_calls(calls) == "[geo.find(city='Tel Aviv, Israel', n=2), now()]"
+    assert [(text[a:b], kind) for a, b, kind in spans] == [
+        ("geo.find", "function"), ("city", "argument"), (",", "arguments_end"), ("n", "argument"),
+        (")", "arguments_end"), (",", "calls_end"), ("now", "function"), (")", "arguments_end"), ("]", "calls_end"),
+    ]
