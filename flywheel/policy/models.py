@@ -257,9 +257,12 @@ def load_model(
     device: str = "cpu",
     dtype: str = "auto",
     adapter: str | Path | None = None,
+    adapter_float32: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``spec`` (see module docstring) in eval mode on ``device``, with an optional LoRA
-    ``adapter`` directory (peft format) loaded on top as adapter ``"default"``.
+    ``adapter`` directory (peft format) loaded on top as adapter ``"default"``. ``adapter_float32``:
+    keep the adapter's weights in float32 whatever the base's dtype (training continues them; see
+    :func:`attach_adapter`).
 
     The tokenizer always has a pad token (the EOS token when the checkpoint names none) and pads on
     the left, which batched generation needs.
@@ -281,13 +284,13 @@ def load_model(
     tok.padding_side = "left"
     _set_eos(model, tok)
     if adapter is not None:
-        model = attach_adapter(model, adapter, name="default")
+        model = attach_adapter(model, adapter, name="default", float32=adapter_float32)
     model.to(dev)
     model.eval()
     return model, tok
 
 
-def attach_adapter(model: Any, adapter: str | Path, *, name: str = "default") -> Any:
+def attach_adapter(model: Any, adapter: str | Path, *, name: str = "default", float32: bool = False) -> Any:
     """Load the peft LoRA adapter at ``adapter`` onto ``model`` under ``name`` and activate it.
 
     Returns the (possibly newly wrapped) ``PeftModel``. Loading a name that exists replaces it.
@@ -304,6 +307,11 @@ def attach_adapter(model: Any, adapter: str | Path, *, name: str = "default") ->
     the demo's 44 held-out items took 57 s with float32 adapters, 38-41 s with bf16 ones and 31 s
     with no adapter; 1 of 44 items changed its verdict (the adapter's delta is rounded to bf16 once more).
     The trainer computes its adapters in bf16 under autocast too, so sampling and training agree.
+
+    ``float32=True`` keeps the adapter's weights in float32 (peft's ``autocast_adapter_dtype``): what
+    training from a registered adapter needs, since they are the optimizer's master copy. Rounded to a
+    bf16 base's dtype, a continued phase trained bf16 weights, and AdamW's small late-schedule updates
+    rounded away (see :func:`flywheel.train.trainer.apply_lora`).
     """
     from peft import PeftConfig, PeftModel
     from peft.utils import load_peft_weights
@@ -327,11 +335,11 @@ def attach_adapter(model: Any, adapter: str | Path, *, name: str = "default") ->
                 # peft keeps the old weights when a name is loaded twice; drop it first (measured: a
                 # delete of the only adapter followed by load_adapter works in peft 0.21).
                 model.delete_adapter(name)
-            model.load_adapter(str(path), adapter_name=name, is_trainable=False, autocast_adapter_dtype=False)
+            model.load_adapter(str(path), adapter_name=name, is_trainable=False, autocast_adapter_dtype=float32)
             model.set_adapter(name)
             return model
         return PeftModel.from_pretrained(model, str(path), adapter_name=name, is_trainable=False,
-                                         autocast_adapter_dtype=False)
+                                         autocast_adapter_dtype=float32)
     except Exception as e:
         try:
             _undo_partial_adapter(model, name, was_peft=was_peft, had_config=had_config)

@@ -97,8 +97,9 @@ def load_policy(cfg: FlywheelConfig, tracker: Tracker, base: str, *, device: str
     except (ValueError, ModelRefError) as e:
         raise TrainStageError(str(e)) from None
     if files.adapter:
+        # float32: the adapter trains on as the optimizer's master copy, as a fresh one does (apply_lora)
         model, tok = load_model(files.base_model, home=cfg.home, device=device, dtype=cfg.policy.dtype,
-                                adapter=files.directory)
+                                adapter=files.directory, adapter_float32=True)
         return model, tok, files.base_model
     model, tok = load_model(str(files.directory), home=cfg.home, device=device, dtype=cfg.policy.dtype)
     return model, tok, base  # the registry reference, not this machine's directory: any worker resolves it

@@ -242,7 +242,7 @@ def apply_lora(
     ``layers_to_transform`` and ``layers_pattern``, so loading it (peft's ``from_pretrained``, the gate,
     ``serve``, merging) rebuilds the same layers. peft refuses ``layers_to_transform`` with a string
     ``target_modules``, so ``all-linear`` is expanded here to the names of the linear layers inside
-    the blocks. A model that is already a ``PeftModel`` keeps its adapter's own layers.
+    the blocks. A model that is already a ``PeftModel`` keeps its adapter's own layers, in float32.
     """
     if r <= 0:
         return model
@@ -252,7 +252,15 @@ def apply_lora(
         raise ValueError(f"lora layers must be >= 1 (None: every block), got {layers}")
     if isinstance(model, PeftModel):
         for n, p in model.named_parameters():
-            p.requires_grad_("lora_" in n)
+            trainable = "lora_" in n
+            if trainable and p.dtype != torch.float32:
+                # An adapter loaded for inference has the base's dtype. Trained as bf16 weights, AdamW's
+                # updates below half a bf16 step (lr x ~1 against weights of ~1e-2: the cosine's second
+                # half) round away: every phase continued from a registered adapter (the learning stage's
+                # stream, trials and continuations, cycle 2 from the champion) learned less than a fresh
+                # adapter's float32 first pass.
+                p.data = p.data.float()
+            p.requires_grad_(trainable)
         return model
     extra: dict[str, Any] = {}
     if layers is not None:

@@ -412,3 +412,44 @@ def test_a_policy_made_with_the_device_as_a_string_decodes(policy):
     p = HFPolicy(policy.model, policy.tokenizer, device="cpu")
     (group,) = p.generate([PROMPTS[0]], SamplingParams(n=1, temperature=0.0, max_new_tokens=3))
     assert len(group[0].completion_token_ids) >= 1
+
+
+def test_training_on_from_a_saved_adapter_keeps_its_float32_master_weights(tiny_home, tmp_path):
+    """Issue 30: every phase continued from a registered adapter (the learning stage's stream, cycle 2 from
+    the champion) loaded it in the bf16 base's dtype and trained bf16 weights, so AdamW's small updates
+    rounded away -- on the cpu profile the stream's adapter was saved in bf16 and its model made four times
+    plain SFT's extra calls. Loaded for training, the adapter keeps the float32 values it was saved with;
+    the trainer makes any adapter it is handed float32; a step at a late-schedule learning rate moves it."""
+    from flywheel.config import TrainConfig
+    from flywheel.policy.models import TINY, load_model
+    from flywheel.train.data import TrainSample
+    from flywheel.train.trainer import Trainer, TrainerOptions
+
+    def trainer_on(model, lr: float) -> Trainer:
+        return Trainer(model, TrainerOptions(objective="sft", lr=lr, total_steps=1, pad_id=0,
+                                             train=TrainConfig(lora_r=4, lora_alpha=8, warmup_steps=0)))
+
+    sample = TrainSample(prompt_ids=[5, 6, 7, 8], completion_ids=[9, 10, 11], loss_mask=[1, 1, 1], group_id="g")
+    base, _ = load_model(TINY, home=tiny_home, dtype="bfloat16")
+    first = trainer_on(base, 1e-2)
+    first.step([sample, sample])
+    first.policy.save_pretrained(str(tmp_path / "adapter"))
+    saved = {n.replace(".default", ""): p.detach().clone() for n, p in first.policy.named_parameters() if "lora_" in n}
+
+    model, _ = load_model(TINY, home=tiny_home, dtype="bfloat16", adapter=tmp_path / "adapter", adapter_float32=True)
+    loaded = {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
+    assert loaded.keys() == saved.keys()
+    assert all(p.dtype is torch.float32 and torch.equal(p.detach(), saved[n]) for n, p in loaded.items())
+
+    # Loaded for inference (the base's dtype) and handed to the trainer: it trains float32 weights.
+    served, _ = load_model(TINY, home=tiny_home, dtype="bfloat16", adapter=tmp_path / "adapter")
+    assert {p.dtype for n, p in served.named_parameters() if "lora_" in n} == {torch.bfloat16}
+    on = trainer_on(served, 1e-5)
+    lora = [p for _, p in on.policy.named_parameters() if p.requires_grad]
+    assert lora and all(p.dtype is torch.float32 for p in lora)
+    before = [p.detach().clone() for p in lora]
+    on.step([sample, sample])
+    # lr 1e-5 moves each weight by about 1e-5, under half a bf16 step of a weight of ~1e-2: as bf16
+    # weights nearly all of them stayed put.
+    moved = sum(int((a != b.detach()).sum()) for a, b in zip(before, lora, strict=True))
+    assert moved > 0.5 * sum(p.numel() for p in lora)
