@@ -114,7 +114,7 @@ def samples_from_rollouts(
     samples: list[TrainSample] = []
     for i in keep:
         comp = [int(t) for t in cols["completion_token_ids"][i]]
-        mask = [int(v) for v in cols["loss_mask"][i]]
+        mask: list[float] = [int(v) for v in cols["loss_mask"][i]]
         lps = [float(v) for v in cols["sampler_logprobs"][i]]
         if len(mask) != len(comp) or len(lps) != len(comp):
             raise TrainDataError(

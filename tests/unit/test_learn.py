@@ -723,10 +723,9 @@ def test_the_probe_plans_only_the_generators_the_user_configured(cfg, monkeypatc
     whatever that list said, so a list without `parallel` still got parallel variants when the probe counted
     missing calls. The plan keeps to the list (in the planner's order), and a list with none the probe can
     plan is refused with the reason."""
+    import flywheel.learn as learn
     from flywheel.policy import registry
     from flywheel.synth import probe
-
-    import flywheel.learn as learn
 
     counts = dict.fromkeys(probe.ERROR_KINDS, 0) | {"missing_call": 5, "wrong_value": 3}
     report = probe.ProbeReport(total=8, scored=8, passed=0, failed=8, counts=counts, all_counts=dict(counts),
