@@ -312,14 +312,23 @@ class TrainConfig(_Section):
     lean_layers: bool = Field(
         True, description="MLPs and RMSNorms that keep fewer activations for backward (flywheel.kernels.fused_layers)."
     )
+    fused_lora: bool = Field(
+        True, description="LoRA linears as GEMMs only: the adapter's scaling and its sum with the base output folded into "
+        "the GEMMs' accumulation, forward and backward (flywheel.kernels.fused_lora; where the input, base and adapter "
+        "share one dtype without autocast, i.e. fp32 CPU training; elsewhere peft's own forward).",
+    )
     compile_lean_layers: Literal["auto", "on", "off"] = Field(
         "auto", description="Run the lean layers' elementwise math through torch.compile (one fused loop per "
         "function instead of ~8 eager passes; falls back to eager with a warning where compiling fails). auto: on "
         "for CPU training of a model whose MLP is at least 1024 wide (SmolLM2-135M's 1536: the SFT step ~15% faster "
         "in bf16), off for narrower ones, where the seconds of the first compile are not repaid.",
     )
-    release_memory: bool = Field(
-        True, description="On CPU, hand the freed heap back to the OS after each optimizer step (glibc malloc_trim)."
+    release_memory: Literal["auto"] | bool = Field(
+        "auto", description="On CPU, hand the freed heap back to the OS after each optimizer step (glibc malloc_trim). "
+        "auto: for full fine-tuning only, where the resident peak otherwise creeps up step after step; not with LoRA, "
+        "where the next step faulted every released page back in (SmolLM2-135M fp32, r 16: ~0.8M page faults and "
+        "~3.5 system CPU-seconds per step, x1.05-1.3 on its wall time, for the same peak RSS; "
+        "benchmarks/bench_release_memory.py).",
     )
     threads: Literal["auto"] | NonNegativeInt = Field(
         "auto", description="Intra-op threads of a CPU training step. auto: as many as the cores other processes left "

@@ -53,6 +53,7 @@ import torch
 from flywheel.config import LossName, TrainConfig
 from flywheel.kernels import fused_logprob
 from flywheel.kernels.fused_layers import patch_for_training
+from flywheel.kernels.fused_lora import patch_lora_for_training
 from flywheel.train.data import MicroBatch, TrainSample, make_micro_batches
 from flywheel.train.losses import LossInputs, PreferenceInputs, compute_loss, rpo_loss, sft_loss
 from flywheel.train.threads import TrainThreads
@@ -365,6 +366,13 @@ def _malloc_trim() -> None:
     SmolLM2-135M full fine-tuning, CPU: peak RSS over three steps 5.29 GB without, 4.91 GB with, at a
     cost of ~1 ms per call. (A fixed small mmap threshold cuts deeper, to 4.2 GB, but made steps ~20 %
     slower: every large tensor then costs fresh, zeroed pages.)
+
+    The call itself is cheap; what it releases is not: glibc hands back every free page of its arenas
+    (``madvise``), so the next step takes a page fault and a zeroed page for each of them again. With
+    LoRA on SmolLM2-135M in fp32 (the demo's SFT step on a 2-core EPYC) that was ~0.8M faults and ~3.5
+    system CPU-seconds per step, the step x1.05-1.3 slower than without, for the same peak RSS (5.5-5.9 GB;
+    benchmarks/bench_release_memory.py): so ``train.release_memory = "auto"`` trims after each step for full
+    fine-tuning only.
     """
     trim = _libc_malloc_trim()
     if trim is not None:
@@ -490,6 +498,11 @@ class Trainer:
         if t.lean_layers:
             self.compiled_layers = compile_lean_layers(t.compile_lean_layers, unwrap(model), self.device)
             self.lean_layers = patch_for_training(unwrap(model), compiled=self.compiled_layers)
+        # train.release_memory: malloc_trim after each CPU step (see _malloc_trim for when it pays)
+        rm = t.release_memory
+        self.trim_each_step = not self.use_cuda and (rm is True or (rm == "auto" and not self.is_lora))
+        # train.fused_lora: every adapted linear as GEMMs only (flywheel/kernels/fused_lora.py)
+        self.fused_lora_layers = patch_lora_for_training(unwrap(model)) if t.fused_lora and self.is_lora else 0
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("no trainable parameters (LoRA found no target modules?)")
@@ -667,7 +680,7 @@ class Trainer:
         self.step_count += 1
         if self.use_cuda:
             torch.cuda.synchronize()
-        elif self.train.release_memory:
+        elif self.trim_each_step:
             _malloc_trim()
         dt = time.perf_counter() - t0
         stats = {k: v / max(agg_w, 1.0) for k, v in agg.items()}
@@ -813,7 +826,7 @@ class Trainer:
         self.step_count += 1
         if self.use_cuda:
             torch.cuda.synchronize()
-        elif self.train.release_memory:
+        elif self.trim_each_step:
             _malloc_trim()
         return lr, grad_norm
 
