@@ -39,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_lora_layers import demo_batches  # noqa: E402  (the same 8-demonstration batches)
+from bench_lora_layers import demo_batches, time_rounds  # noqa: E402  (the same batches, the same timing)
 
 
 def main() -> None:
@@ -81,27 +81,8 @@ def main() -> None:
                      "warmup_loss": m.loss, "loss": [], "wall_s": [], "cpu_s": [], "tokens": []}
         log(f"{name}: {tr.fused_lora_layers} fused layers, warm-up {res[name]['warmup_s']:.1f} s "
             f"({res[name]['warmup_cpu_s']:.1f} CPU-s), loss {m.loss:.4f}")
-    names = list(arms)
-    for k in range(a.steps):
-        order = names[k % len(names):] + names[: k % len(names)]
-        for name in order:
-            c0, t0 = time.process_time(), time.perf_counter()
-            m = trainers[name].step(batches[k + 1])
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            r = res[name]
-            r["wall_s"].append(wall)
-            r["cpu_s"].append(cpu)
-            r["loss"].append(m.loss)
-            r["tokens"].append(m.tokens)
-            log(f"round {k + 1} {name}: {wall:.1f} s, {cpu:.1f} CPU-s, loss {m.loss:.5f} ({m.tokens} tokens; "
-                f"load {os.getloadavg()[0]:.2f})")
+    time_rounds(trainers, res, batches, a.steps, log, peer="peft")
     peer = res["peft"]
-    for r in res.values():
-        r["wall_per_step"] = sum(r["wall_s"]) / len(r["wall_s"])
-        r["cpu_per_step"] = sum(r["cpu_s"]) / len(r["cpu_s"])
-        r["cores_busy"] = sum(r["cpu_s"]) / sum(r["wall_s"])
-        r["speedup_per_cpu_s"] = sum(peer["cpu_s"]) / sum(r["cpu_s"])
-        r["speedup_wall"] = sum(peer["wall_s"]) / sum(r["wall_s"])
     pairs = zip([peer["warmup_loss"], *peer["loss"]], [res["fused"]["warmup_loss"], *res["fused"]["loss"]], strict=True)
     max_rel = max(abs(f - p) / max(abs(p), 1e-12) for p, f in pairs)
     out = {"model": "smollm2-135m", "dtype": "float32", "lora_r": 16, "micro_batch_tokens": 2048, "batch": 8,

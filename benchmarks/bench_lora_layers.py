@@ -62,6 +62,34 @@ def demo_batches(tok, n: int) -> list:
     return out
 
 
+def time_rounds(trainers: dict, res: dict, batches: list, steps: int, log, *, peer: str) -> None:
+    """The timed steps, arms alternating (the order rotates each round, every arm gets round k's batch), into
+    ``res[arm]``'s ``wall_s`` / ``cpu_s`` / ``loss`` / ``tokens`` lists; then per-step means, cores busy and
+    the ratios against ``peer`` (per CPU-second and wall)."""
+
+    names = list(trainers)
+    for k in range(steps):
+        order = names[k % len(names):] + names[: k % len(names)]
+        for name in order:
+            c0, t0 = time.process_time(), time.perf_counter()
+            m = trainers[name].step(batches[k + 1])
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            r = res[name]
+            r["wall_s"].append(wall)
+            r["cpu_s"].append(cpu)
+            r["loss"].append(m.loss)
+            r["tokens"].append(m.tokens)
+            log(f"round {k + 1} {name}: {wall:.1f} s, {cpu:.1f} CPU-s, loss {m.loss:.5f} ({m.tokens} tokens; "
+                f"load {os.getloadavg()[0]:.2f})")
+    base = res[peer]
+    for r in res.values():
+        r["wall_per_step"] = sum(r["wall_s"]) / len(r["wall_s"])
+        r["cpu_per_step"] = sum(r["cpu_s"]) / len(r["cpu_s"])
+        r["cores_busy"] = sum(r["cpu_s"]) / sum(r["wall_s"])
+        r["speedup_per_cpu_s"] = sum(base["cpu_s"]) / sum(r["cpu_s"])
+        r["speedup_wall"] = sum(base["wall_s"]) / sum(r["wall_s"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 timed step per arm instead of 3")
@@ -101,27 +129,7 @@ def main() -> None:
                      "warmup_loss": m.loss, "loss": [], "wall_s": [], "cpu_s": [], "tokens": []}
         log(f"{name}: {tr.n_trainable / 1e6:.2f}M trainable, warm-up {res[name]['warmup_s']:.1f} s "
             f"({res[name]['warmup_cpu_s']:.1f} CPU-s), loss {m.loss:.4f}")
-    names = list(arms)
-    for k in range(a.steps):
-        order = names[k % len(names):] + names[: k % len(names)]
-        for name in order:
-            c0, t0 = time.process_time(), time.perf_counter()
-            m = trainers[name].step(batches[k + 1])
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            r = res[name]
-            r["wall_s"].append(wall)
-            r["cpu_s"].append(cpu)
-            r["loss"].append(m.loss)
-            r["tokens"].append(m.tokens)
-            log(f"round {k + 1} {name}: {wall:.1f} s, {cpu:.1f} CPU-s, loss {m.loss:.4f} ({m.tokens} tokens; "
-                f"load {os.getloadavg()[0]:.2f})")
-    peer = res["all"]
-    for r in res.values():
-        r["wall_per_step"] = sum(r["wall_s"]) / len(r["wall_s"])
-        r["cpu_per_step"] = sum(r["cpu_s"]) / len(r["cpu_s"])
-        r["cores_busy"] = sum(r["cpu_s"]) / sum(r["wall_s"])
-        r["speedup_per_cpu_s"] = sum(peer["cpu_s"]) / sum(r["cpu_s"])
-        r["speedup_wall"] = sum(peer["wall_s"]) / sum(r["wall_s"])
+    time_rounds(trainers, res, batches, a.steps, log, peer="all")
     out = {"model": "smollm2-135m", "dtype": "float32", "lora_r": 16, "micro_batch_tokens": 2048, "batch": 8,
            "steps": a.steps, "threads": torch.get_num_threads(), "load_at_start": load0,
            "load_at_end": os.getloadavg(), "arms": res}
