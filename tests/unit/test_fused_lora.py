@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
+from flywheel.kernels import fused_lora
+from flywheel.kernels.fused_lora import lora_linear, patch_lora_for_training, unpatch_lora
 from test_trainer import V, batch, tiny_lm
 
 from flywheel.config import TrainConfig
-from flywheel.kernels import fused_lora
-from flywheel.kernels.fused_lora import lora_linear, patch_lora_for_training, unpatch_lora
 from flywheel.train.trainer import Trainer, TrainerOptions, apply_lora
 
 
