@@ -45,6 +45,13 @@ class PolicyConfig(_Section):
         "on a busy machine a descheduled second thread makes each of a step's small ops wait for a time slice "
         "(batch-1 decoding ~10x slower, benchmarks/bench_decode_threads.py). A count fixes it; 0 leaves torch's.",
     )
+    prefix_cache_mb: NonNegativeInt = Field(
+        256,
+        description="hf backend: megabytes of keys and values of recent prompt prefixes kept across generate calls. "
+        "Agents send the same long system prompt and tool list with every request, and each turn repeats the turns "
+        "before it: a prompt encodes only what its longest common prefix with an earlier one does not cover "
+        "(benchmarks/bench_prefix_cache.py). Entries expire when the weights change. 0 turns it off.",
+    )
     max_concurrency: int = Field(8, ge=1, description="Concurrent HTTP requests per endpoint (openai backend).")
 
     @field_validator("base_url")

@@ -24,7 +24,11 @@ a chunk shares (at least :data:`PREFIX_MIN_TOKENS` tokens: an agent's system pro
 with every request, the tool instructions of the BFCL format) is encoded once and its KV cache repeated
 to the rows; each row's own tail is left-padded after it (``[prefix | pad | tail]``, the padding masked,
 positions counting real tokens only). ``flywheel serve`` merges concurrent requests into one call, the
-gate and rollouts pass whole suites, so each batch pays for the shared part once.
+gate and rollouts pass whole suites, so each batch pays for the shared part once. Across calls, the
+keys and values of recent prompt prefixes are kept (``policy.prefix_cache_mb``,
+:mod:`flywheel.policy.prefix_cache`): a request that arrives alone, the next turn of a conversation or
+the next chunk of a suite encodes only what its longest common prefix with an earlier prompt does not
+cover.
 
 Not guaranteed: bit-identical samples across devices, dtypes, or batch shapes (padding changes the
 floating-point summation order by ~1e-6 in fp32, which can flip a near-tie); thread-parallel
@@ -44,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from flywheel.policy.base import PromptTooLongError, Sample, SamplingParams, coerce_params, per_prompt_tools
 from flywheel.policy.format import render_prompt
 from flywheel.policy.models import ModelLoadError, attach_adapter, load_model
+from flywheel.policy.prefix_cache import PrefixKVCache
 from flywheel.policy.threads import DecodeThreads, check_decode_threads
 
 if TYPE_CHECKING:
@@ -64,10 +69,15 @@ class _Shared:
     device: Any
     lock: threading.RLock = field(default_factory=threading.RLock)
     decode: DecodeThreads | None = None  # the decode loop's thread chooser, kept across calls (policy.decode_threads)
+    prefix_cache: PrefixKVCache | None = None  # prompt prefixes' keys and values across calls (policy.prefix_cache_mb)
+    weights_epoch: int = 0  # bumped on every adapter load/unload/merge and weight copy: the prefix cache's entries expire
 
 
 #: A shared prompt prefix shorter than this is encoded with each row (one more model call is not worth it).
 PREFIX_MIN_TOKENS = 16
+
+#: ``policy.prefix_cache_mb``'s default: the keys and values of ~5,700 prompt tokens of SmolLM2-135M in float32.
+PREFIX_CACHE_MB = 256
 
 
 def shared_prefix_len(prompts: list[list[int]]) -> int:
@@ -110,6 +120,7 @@ class HFPolicy:
         adapter: str | None = None,
         max_batch_rows: int = 64,
         decode_threads: str | int = "auto",
+        prefix_cache_mb: int = PREFIX_CACHE_MB,
         _shared: _Shared | None = None,
     ) -> None:
         if _shared is None:
@@ -117,7 +128,8 @@ class HFPolicy:
                 device = next(model.parameters()).device
             if tokenizer.pad_token_id is None:
                 tokenizer.pad_token = tokenizer.eos_token
-            _shared = _Shared(model=model, tokenizer=tokenizer, device=device)
+            _shared = _Shared(model=model, tokenizer=tokenizer, device=device,
+                              prefix_cache=PrefixKVCache(int(prefix_cache_mb) << 20))
         self._shared = _shared
         self.name = name
         self.version = version
@@ -126,7 +138,8 @@ class HFPolicy:
             raise ValueError(f"max_batch_rows must be >= 1 (got {max_batch_rows})")
         self.max_batch_rows = max_batch_rows
         self._eos_ids = self._end_ids()
-        # Encode the prompt prefix a batch's rows share once (see _generate_chunk); a switch for A/B checks.
+        # Encode the prompt prefix a batch's rows share once, and reuse the prefixes of earlier calls
+        # (policy.prefix_cache_mb; see _generate_chunk); a switch for A/B checks that turns off both.
         self.prefix_sharing = True
         self.prefix_tokens_saved = 0  # prompt tokens not encoded thanks to it, since this policy was made
         # Intra-op threads of decode steps (policy.decode_threads): "auto" times the steps under the
@@ -141,7 +154,7 @@ class HFPolicy:
         """:meth:`from_spec` with the ``[policy]`` section's device, dtype, adapter merging and decode
         threads, so every loader (gate, serve, rollouts, evaluate, synth) runs the model alike."""
         return cls.from_spec(spec, home, device=policy.device, dtype=policy.dtype, merge=policy.merge_adapters,
-                             decode_threads=policy.decode_threads, **kw)
+                             decode_threads=policy.decode_threads, prefix_cache_mb=policy.prefix_cache_mb, **kw)
 
     @classmethod
     def from_spec(
@@ -157,6 +170,7 @@ class HFPolicy:
         max_batch_rows: int = 64,
         merge: str = "never",
         decode_threads: str | int = "auto",
+        prefix_cache_mb: int = PREFIX_CACHE_MB,
     ) -> HFPolicy:
         """Load ``spec`` with :func:`flywheel.policy.models.load_model` and wrap it.
 
@@ -173,6 +187,7 @@ class HFPolicy:
             adapter="default" if adapter is not None else None,
             max_batch_rows=max_batch_rows,
             decode_threads=decode_threads,
+            prefix_cache_mb=prefix_cache_mb,
         )
         if adapter is not None and should_merge(merge, next(model.parameters()).dtype):
             policy.merge_adapter()
@@ -213,6 +228,7 @@ class HFPolicy:
         a reloaded ``name`` is gone (load under a new name to keep the old one until the new one is
         in, as ``flywheel serve`` does)."""
         with self._shared.lock:
+            self._shared.weights_epoch += 1
             self._shared.model = attach_adapter(self._shared.model, path, name=name)
             self._shared.model.eval()
             self._shared.model.to(self.device)
@@ -250,6 +266,7 @@ class HFPolicy:
                 raise ModelLoadError(f"policy {self.name!r}: no active adapter to merge")
             if getattr(model, "active_adapter", None) != self.adapter:
                 model.set_adapter(self.adapter)
+            self._shared.weights_epoch += 1
             model.merge_adapter()
 
     @property
@@ -267,6 +284,7 @@ class HFPolicy:
         with self._shared.lock:
             if name not in self.adapter_names():
                 raise ModelLoadError(f"adapter {name!r} is not loaded")
+            self._shared.weights_epoch += 1
             model = self._shared.model
             if len(model.peft_config) == 1:
                 # the last adapter: strip the LoRA layers entirely so the base runs at full speed
@@ -288,6 +306,7 @@ class HFPolicy:
         from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
         with self._shared.lock, torch.no_grad():
+            self._shared.weights_epoch += 1
             if isinstance(source, PeftModel):
                 src_name = source.active_adapter
                 cfg = copy.deepcopy(source.peft_config[src_name])
@@ -364,9 +383,16 @@ class HFPolicy:
         results: list[list[Sample] | None] = [None] * len(prompt_token_ids)
         t0 = time.perf_counter()
         with self._shared.lock, torch.inference_mode(), self._adapter_context():
+            pc = self._shared.prefix_cache
+            reuse = None
+            if self.prefix_sharing and pc is not None and pc.enabled:
+                pc.sync(self.model, self._shared.weights_epoch)
+                names = getattr(self.model, "peft_config", None) or {}
+                reuse = (pc, (self.adapter if names else None, self.merged if names else False))
             for start in range(0, len(order), per_chunk):
                 idx = order[start : start + per_chunk]
-                chunk = self._generate_chunk([prompt_token_ids[i] for i in idx], idx, p, base_seed, t0, max_pos)
+                chunk = self._generate_chunk([prompt_token_ids[i] for i in idx], idx, p, base_seed, t0, max_pos,
+                                             reuse)
                 for i, samples in zip(idx, chunk, strict=True):
                     results[i] = samples
         return results  # type: ignore[return-value]
@@ -387,25 +413,41 @@ class HFPolicy:
 
     def _generate_chunk(
         self, prompts: list[list[int]], prompt_idx: list[int], p: SamplingParams, base_seed: int,
-        t0: float, max_pos: int,
+        t0: float, max_pos: int, reuse: tuple[PrefixKVCache, tuple[Any, ...]] | None = None,
     ) -> list[list[Sample]]:
         import torch
+        from transformers.cache_utils import DynamicCache
 
         dev = self.device
         pad = int(self.tokenizer.pad_token_id)
         n_p, n = len(prompts), p.n
-        shared = shared_prefix_len(prompts) if self.prefix_sharing and n_p > 1 else 0
+        # The part every prompt of the chunk shares, less each prompt's last token. With the cross-call
+        # cache (``reuse``) a lone prompt's whole part before its last token counts: the next turn of its
+        # conversation, or the next request with the same system prompt and tools, starts with it.
+        shared = shared_prefix_len(prompts) if self.prefix_sharing and (n_p > 1 or reuse is not None) else 0
         if shared < PREFIX_MIN_TOKENS:
             shared = 0
         prefix_cache = None
         if shared:
             # The prompt part every row shares (an agent's system prompt and tool list; the demo's tool
-            # instructions) is encoded once and its KV cache fanned out to the rows.
-            out = self.model(input_ids=torch.tensor([prompts[0][:shared]], dtype=torch.long, device=dev),
-                             use_cache=True, logits_to_keep=1)
-            prefix_cache = out.cache
-            prefix_cache.batch_repeat_interleave(n_p)
-            self.prefix_tokens_saved += shared * (n_p - 1)
+            # instructions) is encoded once and its KV cache fanned out to the rows; what an earlier call
+            # encoded of it already comes from the prefix cache.
+            hit = reuse[0].lookup(prompts[0], shared, reuse[1]) if reuse is not None else None
+            done = 0
+            if hit is not None:
+                done, kv = hit
+                prefix_cache = DynamicCache(ddp_cache_data=kv)
+            if done < shared:
+                out = self.model(input_ids=torch.tensor([prompts[0][done:shared]], dtype=torch.long, device=dev),
+                                 use_cache=True, logits_to_keep=1,
+                                 **({"cache": prefix_cache} if prefix_cache is not None else {}))
+                prefix_cache = out.cache
+                if reuse is not None:
+                    reuse[0].store(prompts[0][:shared], prefix_cache, reuse[1])
+            assert prefix_cache is not None
+            if n_p > 1:
+                prefix_cache.batch_repeat_interleave(n_p)
+            self.prefix_tokens_saved += shared * (n_p - 1) + done
         tails = [ids[shared:] for ids in prompts]
         width = max(len(x) for x in tails)
         input_ids = torch.full((n_p, width), pad, dtype=torch.long)
