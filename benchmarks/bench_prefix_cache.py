@@ -117,7 +117,9 @@ def main() -> None:
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=a.max_new_tokens)
     home = Path(a.home)
     arms = {"off": 0, "on": PREFIX_CACHE_MB}
-    pols = {arm: HFPolicy.from_spec(a.model, home, device="cpu", dtype=a.dtype, prefix_cache_mb=mb)
+    # decode_threads fixed at torch's count: "auto" may switch counts between calls, and another count rounds
+    # the GEMMs differently, which would blur the identity check between the arms
+    pols = {arm: HFPolicy.from_spec(a.model, home, device="cpu", dtype=a.dtype, prefix_cache_mb=mb, decode_threads=0)
             for arm, mb in arms.items()}
     for pol in pols.values():  # warm-up: allocator, thread pools, the decode thread chooser
         run_workload(pol, "agent", work["agent"][:2], 0, params)

@@ -141,6 +141,9 @@ class HFPolicy:
         # Encode the prompt prefix a batch's rows share once, and reuse the prefixes of earlier calls
         # (policy.prefix_cache_mb; see _generate_chunk); a switch for A/B checks that turns off both.
         self.prefix_sharing = True
+        # Decode-loop keys and values written in place instead of re-concatenated every step
+        # (flywheel.policy.kv_cache); a switch for A/B checks.
+        self.preallocate_kv = True
         self.prefix_tokens_saved = 0  # prompt tokens not encoded thanks to it, since this policy was made
         # Intra-op threads of decode steps (policy.decode_threads): "auto" times the steps under the
         # process's count and 1 and keeps the faster (flywheel.policy.threads), or a fixed count.
@@ -418,6 +421,8 @@ class HFPolicy:
         import torch
         from transformers.cache_utils import DynamicCache
 
+        from flywheel.policy.kv_cache import preallocated_cache, supports_preallocated
+
         dev = self.device
         pad = int(self.tokenizer.pad_token_id)
         n_p, n = len(prompts), p.n
@@ -427,6 +432,13 @@ class HFPolicy:
         shared = shared_prefix_len(prompts) if self.prefix_sharing and (n_p > 1 or reuse is not None) else 0
         if shared < PREFIX_MIN_TOKENS:
             shared = 0
+        tails = [ids[shared:] for ids in prompts]
+        width = max(len(x) for x in tails)
+        # Keys and values written in place, with room for the whole generation (flywheel.policy.kv_cache);
+        # None: the model makes its own (sliding windows, linear attention, or policy.preallocate_kv off).
+        capacity = shared + width + p.max_new_tokens
+        new_cache = ((lambda: preallocated_cache(capacity))
+                     if self.preallocate_kv and supports_preallocated(self.model) else None)
         prefix_cache = None
         if shared:
             # The prompt part every row shares (an agent's system prompt and tool list; the demo's tool
@@ -434,9 +446,14 @@ class HFPolicy:
             # encoded of it already comes from the prefix cache.
             hit = reuse[0].lookup(prompts[0], shared, reuse[1]) if reuse is not None else None
             done = 0
+            if new_cache is not None:
+                prefix_cache = new_cache()
             if hit is not None:
                 done, kv = hit
-                prefix_cache = DynamicCache(ddp_cache_data=kv)
+                if prefix_cache is None:
+                    prefix_cache = DynamicCache()
+                for layer_idx, (k, v) in enumerate(kv):
+                    prefix_cache.update(k, v, layer_idx)
             if done < shared:
                 out = self.model(input_ids=torch.tensor([prompts[0][done:shared]], dtype=torch.long, device=dev),
                                  use_cache=True, logits_to_keep=1,
@@ -448,8 +465,8 @@ class HFPolicy:
             if n_p > 1:
                 prefix_cache.batch_repeat_interleave(n_p)
             self.prefix_tokens_saved += shared * (n_p - 1) + done
-        tails = [ids[shared:] for ids in prompts]
-        width = max(len(x) for x in tails)
+        elif new_cache is not None:
+            prefix_cache = new_cache()
         input_ids = torch.full((n_p, width), pad, dtype=torch.long)
         attn = torch.zeros((n_p, shared + width), dtype=torch.long)
         attn[:, :shared] = 1

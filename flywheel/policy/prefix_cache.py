@@ -119,12 +119,13 @@ class PrefixKVCache:
         stored: not when the cache is off or not croppable, when ``tokens`` is short, already covered by
         an entry, or larger than the whole budget."""
         import torch
-        from transformers.cache_utils import DynamicLayer
+
+        from flywheel.policy.kv_cache import is_croppable_plain
 
         if not self.enabled or len(tokens) < self.min_tokens:
             return False
         layers = getattr(cache, "layers", None)
-        if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        if not layers or not all(is_croppable_plain(layer) for layer in layers):
             self.enabled = False  # sliding windows or another cache kind: a crop would be wrong
             self.clear()
             return False
@@ -148,6 +149,10 @@ class PrefixKVCache:
         while self._entries and self.bytes + nbytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.nbytes
+        # Own copies: the caller's cache goes on decoding (a preallocated layer writes into the buffer its
+        # views point at) and may hold room for far more positions than these.
+        kv = [(k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format))
+              for k, v in kv]
         self._entries[self._next_id] = _Entry(tag=tag, tokens=new, kv=kv, nbytes=nbytes)
         self._next_id += 1
         self.bytes += nbytes
