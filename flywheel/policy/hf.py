@@ -440,12 +440,12 @@ class HFPolicy:
         new_cache = ((lambda: preallocated_cache(capacity))
                      if self.preallocate_kv and supports_preallocated(self.model) else None)
         prefix_cache = None
+        done = 0  # prompt tokens of the chunk's first prompt that came from an earlier call's prefix cache
         if shared:
             # The prompt part every row shares (an agent's system prompt and tool list; the demo's tool
             # instructions) is encoded once and its KV cache fanned out to the rows; what an earlier call
             # encoded of it already comes from the prefix cache.
             hit = reuse[0].lookup(prompts[0], shared, reuse[1]) if reuse is not None else None
-            done = 0
             if new_cache is not None:
                 prefix_cache = new_cache()
             if hit is not None:
@@ -564,6 +564,10 @@ class HFPolicy:
                     Sample(
                         text=text, prompt_token_ids=list(ids), completion_token_ids=toks[r], logprobs=lps[r],
                         finish_reason=finish[r], truncated=finish[r] == "length", gen_ms=done_ms[r],  # type: ignore[arg-type]
+                        # prompt tokens this prompt did not encode itself (OpenAI's usage.prompt_tokens_details.
+                        # cached_tokens): what an earlier call left in the prefix cache, or for the chunk's other
+                        # prompts the shared part the first one encoded
+                        extra={"cached_prompt_tokens": done if j == 0 else shared},
                     )
                 )
             samples.append(group)

@@ -164,6 +164,9 @@ def completion_body(req: ChatCompletionRequest, model_id: str, policy: Any, samp
             "total_tokens": len(prompt_ids) + completion_tokens,
         },
     }
+    cached = samples[0].extra.get("cached_prompt_tokens") if samples else None
+    if isinstance(cached, int):  # the prompt tokens the backend reused instead of encoding (prefix caching)
+        out["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
     if req.return_token_ids:
         out["prompt_token_ids"] = prompt_ids
     return out

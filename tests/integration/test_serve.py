@@ -120,6 +120,34 @@ def test_raw_response_follows_the_openai_format(server):
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
 
 
+def test_a_repeated_system_prompt_is_served_from_the_prefix_cache_and_reported(server, tiny_home):
+    """Agents send the same long system prompt with every request, one at a time: the second request
+    encodes only its own part, reports the rest as OpenAI's ``usage.prompt_tokens_details.cached_tokens``,
+    and answers as a server without the cache would."""
+    system = {"role": "system", "content": "You are the support agent of Acme. Be brief, polite and exact. " * 12}
+
+    def ask(q: str) -> dict:
+        body = {"model": "tiny", "messages": [system, {"role": "user", "content": q}], "max_tokens": 6,
+                "temperature": 0, "logprobs": True, "return_token_ids": True}
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first, second = ask("Where is my parcel?"), ask("Cancel my order, please.")
+    common = next(i for i, (a, b) in enumerate(zip(first["prompt_token_ids"], second["prompt_token_ids"],
+                                                    strict=False)) if a != b)
+    assert common > 100
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert common <= cached < second["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < common
+    off = tiny_policy(tiny_home, prefix_cache_mb=0)
+    want = off.generate([[system, {"role": "user", "content": "Cancel my order, please."}]],
+                        SamplingParams(n=1, temperature=0.0, max_new_tokens=6))[0][0]
+    assert second["choices"][0]["token_ids"] == want.completion_token_ids
+    got_lp = [e["logprob"] for e in second["choices"][0]["logprobs"]["content"]]
+    assert got_lp == pytest.approx(want.logprobs, abs=1e-4)
+
+
 def test_tools_reach_the_prompt(client, policy):
     (group,) = client.for_model("tiny").generate([CHAT], SamplingParams(n=1, max_new_tokens=2, seed=0), tools=[[WEATHER]])
     prompt = policy.tokenizer.decode(group[0].prompt_token_ids)
