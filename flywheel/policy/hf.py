@@ -76,6 +76,9 @@ class _Shared:
 #: A shared prompt prefix shorter than this is encoded with each row (one more model call is not worth it).
 PREFIX_MIN_TOKENS = 16
 
+#: New-token positions the decode loop's keys and values get room for up front (flywheel.policy.kv_cache).
+KV_HEADROOM = 256
+
 #: ``policy.prefix_cache_mb``'s default: the keys and values of ~5,700 prompt tokens of SmolLM2-135M in float32.
 PREFIX_CACHE_MB = 256
 
@@ -436,7 +439,9 @@ class HFPolicy:
         width = max(len(x) for x in tails)
         # Keys and values written in place, with room for the whole generation (flywheel.policy.kv_cache);
         # None: the model makes its own (sliding windows, linear attention, or policy.preallocate_kv off).
-        capacity = shared + width + p.max_new_tokens
+        # Room for up to KV_HEADROOM new tokens: a request may allow thousands and stop after twenty, and the
+        # buffers are rows x positions x 46 KB for SmolLM2-135M in fp32. A longer answer doubles them once.
+        capacity = shared + width + min(p.max_new_tokens, KV_HEADROOM)
         new_cache = ((lambda: preallocated_cache(capacity))
                      if self.preallocate_kv and supports_preallocated(self.model) else None)
         prefix_cache = None

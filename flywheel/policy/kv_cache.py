@@ -8,9 +8,9 @@ chunk of the gate's suite at ~450 positions copies 1.3 GB per step, more than tw
 weights, and per layer the copy took about 4x the attention itself (measured on the 2-core EPYC,
 ``benchmarks/bench_kv_cache.py``).
 
-:class:`PreallocatedLayer` keeps each layer's keys and values in buffers with room for the whole
-generation (the prompt's width plus ``max_new_tokens``, known before the first step) and writes each
-step's position in place; attention reads views of the filled part. Rows are still dropped from the
+:class:`PreallocatedLayer` keeps each layer's keys and values in buffers with room for the generation
+(the prompt's width plus ``max_new_tokens``, at most 256 of them: ``flywheel.policy.hf.KV_HEADROOM``)
+and writes each step's position in place; attention reads views of the filled part. Rows are still dropped from the
 batch when they finish (``batch_select_indices``: one copy per finishing event, not per step) and a
 prompt's cache is still fanned out to its samples (``batch_repeat_interleave``, once). Past the
 capacity a buffer doubles, so a wrong estimate costs a copy, never a wrong answer.

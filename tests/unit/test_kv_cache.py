@@ -128,7 +128,11 @@ PROMPTS = [
     # one by one, and each finish drops a row from the cache (batch_select_indices)
     SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=9, stop=["e", "a"]),
 ], ids=["greedy", "sampled", "rows-finish-apart"])
-def test_answers_and_log_probs_are_bit_identical_to_the_dynamic_cache(tiny_home, params):
+@pytest.mark.parametrize("headroom", [256, 3], ids=["room", "grows"])
+def test_answers_and_log_probs_are_bit_identical_to_the_dynamic_cache(tiny_home, params, headroom, monkeypatch):
+    import flywheel.policy.hf as hf
+
+    monkeypatch.setattr(hf, "KV_HEADROOM", headroom)  # 3: the buffers must grow during the decode
     pol = tiny_policy(tiny_home, prefix_cache_mb=0)
     pol.preallocate_kv = False
     want = pol.generate(PROMPTS, params)
