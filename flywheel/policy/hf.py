@@ -442,7 +442,8 @@ class HFPolicy:
         # Room for up to KV_HEADROOM new tokens: a request may allow thousands and stop after twenty, and the
         # buffers are rows x positions x 46 KB for SmolLM2-135M in fp32. A longer answer doubles them once.
         capacity = shared + width + min(p.max_new_tokens, KV_HEADROOM)
-        new_cache = ((lambda: preallocated_cache(capacity))
+        longest = shared + width + p.max_new_tokens
+        new_cache = ((lambda: preallocated_cache(capacity, longest))
                      if self.preallocate_kv and supports_preallocated(self.model) else None)
         prefix_cache = None
         done = 0  # prompt tokens of the chunk's first prompt that came from an earlier call's prefix cache

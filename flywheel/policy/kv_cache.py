@@ -38,9 +38,11 @@ class PreallocatedLayer(DynamicLayer):
     so everything that reads a ``DynamicLayer`` reads this one alike.
     """
 
-    def __init__(self, capacity: int = 0) -> None:
+    def __init__(self, capacity: int = 0, max_capacity: int | None = None) -> None:
         super().__init__()
         self.capacity = max(int(capacity), 0)
+        # growth stops at the longest the generation can get (prompt + every new token allowed)
+        self.max_capacity = max_capacity
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
         self._len = 0
@@ -53,6 +55,8 @@ class PreallocatedLayer(DynamicLayer):
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
         old = 0 if self._kbuf is None else self._kbuf.shape[-2]
         cap = max(need, self.capacity, 2 * old)
+        if self.max_capacity is not None:
+            cap = max(need, min(cap, self.max_capacity))
         b = key_states.shape[0]
         kbuf = key_states.new_empty((b, key_states.shape[1], cap, key_states.shape[-1]))
         vbuf = value_states.new_empty((b, value_states.shape[1], cap, value_states.shape[-1]))
@@ -67,12 +71,12 @@ class PreallocatedLayer(DynamicLayer):
         if not self.is_initialized:
             self.device, self.dtype = key_states.device, key_states.dtype
             self.is_initialized = True
+        if self._kbuf is not None and key_states.shape[0] != self._kbuf.shape[0]:
+            raise ValueError(f"kv cache: {key_states.shape[0]} rows given to a cache of {self._kbuf.shape[0]}")
         end = self._len + key_states.shape[-2]
         if self._kbuf is None or end > self._kbuf.shape[-2]:
             self._grow(key_states, value_states, end)
         assert self._kbuf is not None and self._vbuf is not None
-        if key_states.shape[0] != self._kbuf.shape[0]:
-            raise ValueError(f"kv cache: {key_states.shape[0]} rows given to a cache of {self._kbuf.shape[0]}")
         self._kbuf[:, :, self._len : end].copy_(key_states)
         self._vbuf[:, :, self._len : end].copy_(value_states)
         self._len = end
@@ -123,10 +127,12 @@ def supports_preallocated(model: Any) -> bool:
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
-def preallocated_cache(capacity: int) -> DynamicCache:
-    """An empty cache whose layers (created as the model reaches them) hold ``capacity`` positions each."""
+def preallocated_cache(capacity: int, max_capacity: int | None = None) -> DynamicCache:
+    """An empty cache whose layers (created as the model reaches them) hold ``capacity`` positions each,
+    growing up to ``max_capacity`` (or past it, by exactly what an update needs)."""
     cache = DynamicCache()
-    cache.layer_class_to_replicate = functools.partial(PreallocatedLayer, capacity)  # type: ignore[assignment]
+    cache.layer_class_to_replicate = functools.partial(  # type: ignore[assignment]
+        PreallocatedLayer, capacity, max_capacity)
     return cache
 
 

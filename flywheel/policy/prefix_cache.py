@@ -11,8 +11,8 @@ Why it is exact: a causal model's keys and values at position ``i`` depend only 
 and the weights. So entries are tagged with the weights they were computed with, and a tag that no
 longer matches never hits:
 - :meth:`PrefixKVCache.sync` empties the cache when the model object changes, when any parameter was
-  written in place (the sum of the parameters' version counters: an optimizer step, ``copy_``), or when
-  the policy says its weights changed (``HFPolicy`` bumps a counter on every adapter load, unload,
+  written in place, re-allocated or cast (each parameter's version counter, storage and dtype: an
+  optimizer step, ``copy_``, ``model.to(dtype)``), or when the policy says its weights changed (``HFPolicy`` bumps a counter on every adapter load, unload,
   merge and weight copy);
 - each entry also carries the adapter it was computed with and whether that adapter was merged, so
   the views of one model (``flywheel serve``'s runtime adapters) keep their own entries side by side.
@@ -79,8 +79,10 @@ class PrefixKVCache:
 
     def sync(self, model: Any, weights_epoch: int) -> None:
         """Empty the cache if ``model``'s weights may differ from those its entries were computed with."""
-        versions = sum(int(getattr(p, "_version", 0)) for p in model.parameters())
-        state = (id(model), weights_epoch, versions)
+        # Each parameter's storage, dtype and in-place version: a step, a copy_, a cast or a replaced tensor
+        # changes one of them (writes through ``.data`` do not bump the version: HFPolicy bumps the epoch)
+        params = hash(tuple((p.data_ptr(), p.dtype, int(getattr(p, "_version", 0))) for p in model.parameters()))
+        state = (id(model), weights_epoch, params)
         if state != self._state:
             self.clear()
             self._state = state
@@ -132,6 +134,9 @@ class PrefixKVCache:
         kv = [(layer.keys, layer.values) for layer in layers]
         if any(k is None or k.shape[0] != 1 or k.shape[-2] != len(tokens) for k, _ in kv):
             raise ValueError(f"prefix cache: expected a batch-1 cache of {len(tokens)} tokens")
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        if nbytes > self.max_bytes:
+            return False  # before anything is evicted for it
         new = torch.tensor(tokens, dtype=torch.long)
         for key, e in list(self._entries.items()):
             if e.tag != tag:
@@ -143,9 +148,6 @@ class PrefixKVCache:
             if n_old < len(tokens) and torch.equal(new[:n_old], e.tokens):
                 self.bytes -= e.nbytes  # extended by the new entry
                 del self._entries[key]
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
-        if nbytes > self.max_bytes:
-            return False
         while self._entries and self.bytes + nbytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.nbytes

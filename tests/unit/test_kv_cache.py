@@ -91,12 +91,24 @@ def test_a_step_writes_in_place_instead_of_copying_the_cache():
     assert ref.keys.untyped_storage().data_ptr() != before  # what the in-place layer avoids
 
 
-def test_a_batch_of_the_wrong_width_is_refused():
-    layer = PreallocatedLayer(8)
+def test_a_batch_of_the_wrong_width_is_refused_even_when_the_buffer_must_grow():
     g = torch.Generator().manual_seed(2)
-    layer.update(*_kv(2, 3, g))
-    with pytest.raises(ValueError, match="3 rows given to a cache of 2"):
-        layer.update(*_kv(3, 1, g))
+    for capacity in (8, 3):  # 3: the second update needs a larger buffer, whose copy would broadcast one row
+        layer = PreallocatedLayer(capacity)
+        layer.update(*_kv(1, 3, g))
+        with pytest.raises(ValueError, match="3 rows given to a cache of 1"):
+            layer.update(*_kv(3, 1, g))
+
+
+def test_growth_stops_at_the_longest_the_generation_can_get():
+    g = torch.Generator().manual_seed(3)
+    layer = PreallocatedLayer(12, max_capacity=15)
+    layer.update(*_kv(2, 10, g))
+    for _ in range(5):
+        layer.update(*_kv(2, 1, g))
+    assert layer._kbuf.shape[-2] == 15  # doubling would have made 24
+    layer.update(*_kv(2, 2, g))  # past the bound: exactly what is needed
+    assert layer._kbuf.shape[-2] == 17 and layer.get_seq_length() == 17
 
 
 def test_only_full_attention_models_get_it():

@@ -210,7 +210,11 @@ def test_store_skips_covered_prefixes_replaces_extended_ones_and_keeps_the_budge
     assert pc.bytes <= pc.max_bytes and len(pc) == 2
     assert pc.lookup([500 + i for i in range(30)], 30, tag) is None  # the least recently used went
     assert pc.lookup(list(range(60)), 60, tag) is not None
-    assert not pc.store(list(range(200)), _cache_of(list(range(200))), tag)  # larger than the budget
+    n_before, bytes_before = len(pc), pc.bytes
+    # larger than the budget, and extending a stored entry: refused without evicting anything for it
+    assert not pc.store(list(range(200)), _cache_of(list(range(200))), tag)
+    assert (len(pc), pc.bytes) == (n_before, bytes_before)
+    assert pc.lookup(list(range(60)), 60, tag) is not None
 
 
 def test_weight_state_changes_empty_the_cache():
@@ -225,6 +229,10 @@ def test_weight_state_changes_empty_the_cache():
     pc.store(list(range(10)), _cache_of(list(range(10))), (None, False))
     with torch.no_grad():
         model.weight.add_(1.0)  # written in place
+    pc.sync(model, 1)
+    assert len(pc) == 0
+    pc.store(list(range(10)), _cache_of(list(range(10))), (None, False))
+    model.to(torch.float64)  # cast: new tensors through .data, versions untouched
     pc.sync(model, 1)
     assert len(pc) == 0
 
