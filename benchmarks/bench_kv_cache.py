@@ -18,27 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def bfcl_requests(k: int) -> list[tuple[list[dict], list[dict]]]:
-    from flywheel.verifiers.bfcl import load_bfcl
-
-    cats = ("simple_python", "multiple", "parallel", "parallel_multiple")
-    per = (k + len(cats) - 1) // len(cats)
-    items = [it for c in cats for it in load_bfcl(c)[150 : 150 + per]]
-    return [(it.question_messages, it.tools) for it in items[:k]]
+from bench_prefix_cache import _cpu, bfcl_requests  # noqa: E402  (the same BFCL sampling and CPU clock)
 
 
 def main() -> None:
@@ -67,7 +56,7 @@ def main() -> None:
     # decode_threads fixed at torch's count: "auto" may switch counts between calls, and another count rounds
     # the GEMMs differently, which would blur the identity check between the arms
     pol = HFPolicy.from_spec(a.model, Path(a.home), device="cpu", dtype=a.dtype, prefix_cache_mb=0, decode_threads=0)
-    reqs = bfcl_requests(max(widths))
+    reqs = bfcl_requests(max(widths), offset=150)
     pol.generate([reqs[0][0]], SamplingParams(n=1, temperature=0.0, max_new_tokens=4), tools=[reqs[0][1]])  # warm-up
     arms = {"dynamic": False, "inplace": True}
     console = Console(stderr=True)

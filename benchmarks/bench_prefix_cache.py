@@ -41,11 +41,13 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def bfcl_requests(k: int) -> list[tuple[list[dict], list[dict]]]:
+def bfcl_requests(k: int, offset: int = 100) -> list[tuple[list[dict], list[dict]]]:
+    """``k`` BFCL questions with their functions, spread over the demo's four categories from ``offset`` on."""
     from flywheel.verifiers.bfcl import load_bfcl
 
     cats = ("simple_python", "multiple", "parallel", "parallel_multiple")
-    items = [it for c in cats for it in load_bfcl(c)[100 : 100 + (k + len(cats) - 1) // len(cats)]]
+    per = (k + len(cats) - 1) // len(cats)
+    items = [it for c in cats for it in load_bfcl(c)[offset : offset + per]]
     return [(it.question_messages, it.tools) for it in items[:k]]
 
 

@@ -61,6 +61,26 @@ def _umask_per_test():
     os.umask(old)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One OpenMP thread for a module's tiny-model policies (``pytestmark = pytest.mark.usefixtures(...)``):
+    faster for the tiny model on a busy box, and one rounding of its GEMMs on every call."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_home(tmp_path_factory):
+    """The tiny model's home, one per test process (flywheel.policy.testing.session_tiny_home)."""
+    from flywheel.policy.testing import session_tiny_home
+
+    return session_tiny_home(tmp_path_factory)
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     """A fresh flywheel home directory, exported as FLYWHEEL_HOME."""

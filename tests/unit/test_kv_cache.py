@@ -14,20 +14,9 @@ from transformers.cache_utils import DynamicLayer
 
 from flywheel.policy.base import SamplingParams
 from flywheel.policy.kv_cache import PreallocatedLayer, preallocated_cache, supports_preallocated
-from flywheel.policy.testing import session_tiny_home, tiny_policy
+from flywheel.policy.testing import tiny_policy
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_home(tmp_path_factory):
-    return session_tiny_home(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, with tiny_home
 
 
 def _kv(b: int, t: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 
 from flywheel.policy.base import SamplingParams
 from flywheel.policy.hf import should_merge
-from flywheel.policy.testing import make_lora_adapter, session_tiny_home, tiny_policy
+from flywheel.policy.testing import make_lora_adapter, tiny_policy
 
 PROMPTS = [
     [{"role": "user", "content": "hi"}],
@@ -23,17 +23,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_home(tmp_path_factory):
-    return session_tiny_home(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, with tiny_home
 
 
 def test_merged_fp32_adapter_gives_identical_greedy_answers_and_close_logits(tiny_home, tmp_path):

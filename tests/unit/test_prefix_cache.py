@@ -13,7 +13,7 @@ import torch
 
 from flywheel.policy.base import SamplingParams
 from flywheel.policy.prefix_cache import PrefixKVCache
-from flywheel.policy.testing import make_lora_adapter, session_tiny_home, tiny_policy
+from flywheel.policy.testing import make_lora_adapter, tiny_policy
 
 SYSTEM = ("You are Wayfarer, the travel assistant of Acme Journeys. Always use the tools you are given; never "
           "invent prices, availability or forecasts. Dates are ISO 8601. Be concise. " * 2)
@@ -36,17 +36,7 @@ def _request(q: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_home(tmp_path_factory):
-    return session_tiny_home(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, with tiny_home
 
 
 def _one_at_a_time(pol, params=GREEDY, questions=QUESTIONS):
