@@ -47,7 +47,7 @@ def bfcl_requests(k: int, offset: int = 100) -> list[tuple[list[dict], list[dict
 
     cats = ("simple_python", "multiple", "parallel", "parallel_multiple")
     per = (k + len(cats) - 1) // len(cats)
-    items = [it for c in cats for it in load_bfcl(c)[offset : offset + per]]
+    items = [it for c in cats for it in load_bfcl(c)[offset : offset + per]]  # parallel*: 200 questions each
     return [(it.question_messages, it.tools) for it in items[:k]]
 
 

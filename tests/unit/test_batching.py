@@ -177,3 +177,54 @@ def test_the_leader_gets_its_reply_without_waiting_for_other_callers_batches():
     for th in others:
         th.join(60)
     assert got == {"a": "a", "b": "b", "c": "c"} and not b._leader
+
+
+def _clients(b, n_clients, calls, *, think_s, seed=0):
+    """``n_clients`` threads, each making ``calls`` greedy calls one after another with a random pause
+    (up to ``think_s``) between a reply and its next request: production clients behind one server."""
+    import random
+
+    errors = []
+
+    def run(c):
+        rng = random.Random(seed * 1000 + c)
+        for k in range(calls):
+            try:
+                got = b.generate([[{"role": "user", "content": f"c{c}-{k}"}]], SamplingParams(temperature=0.0))
+                assert got[0][0].text == f"c{c}-{k}"
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+            time.sleep(rng.uniform(0, think_s))
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(n_clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors[:3]
+
+
+def test_clients_whose_replies_came_together_share_the_next_batch():
+    """The demo's eight clients used to settle into alternating batches of 6 and 2: the callers that came
+    back a few milliseconds late missed the next batch and ran as their own. Now each call first gathers
+    as many prompts as were in flight during the previous one."""
+    inner = Echo(delay=0.15)
+    b = BatchingPolicy(inner, max_prompts=8, window_s=0.05, gather_s=3.0)
+    _clients(b, 8, 4, think_s=0.08)  # pauses up to 80 ms: four times the first batch's 20-50 ms window
+    assert sum(b.batch_sizes) == 32
+    assert len(b.batch_sizes) <= 5, b.batch_sizes  # 4 full batches; at most one split, healed at once
+    assert b.batch_sizes.count(8) >= 3, b.batch_sizes
+    assert inner.batches == b.batch_sizes
+
+
+def test_a_lone_client_waits_for_nobody_and_a_shrinking_width_costs_one_wait():
+    inner = Echo(delay=0.02)
+    b = BatchingPolicy(inner, max_prompts=8, window_s=0.05, gather_s=1.0)
+    t0 = time.monotonic()
+    _clients(b, 1, 5, think_s=0.0)
+    assert time.monotonic() - t0 < 1.0  # a single gather wait alone would take 1 s
+    _clients(b, 4, 2, think_s=0.0)  # four clients at once: the width grows to 4
+    assert max(b.batch_sizes) >= 2
+    t0 = time.monotonic()
+    _clients(b, 1, 3, think_s=0.0)  # back to one client: one wait (at most 1 s) until the width is measured again
+    assert time.monotonic() - t0 < 2.5, b.batch_sizes  # a wait before each of the 3 calls would take 3 s
