@@ -9,8 +9,9 @@ Gathering the traffic's width. Clients whose requests shared a batch get their r
 send their next requests a few milliseconds apart. Started by the first of them, the next batch used to
 leave the rest behind, and they ran as a second, narrow batch, while the first group's next requests
 queued behind *it*: the demo's eight clients settled into alternating batches of 6 and 2 (35 batches for
-140 questions instead of 18, each costing about what a full one costs, since a CPU decode step reads all
-weights whatever the width). So each merged call first waits, at most ``gather_s``, until as many
+140 questions instead of 18; on a CPU a narrow batch reads every weight per step all the same, though its
+prefill and attention are smaller: ``benchmarks/bench_serve_batching.py`` measured x1.09 for 32 questions
+through the real server). So each merged call first waits, at most ``gather_s``, until as many
 prompts are pending as were in flight at once during the previous call (the traffic's current width,
 at most ``max_prompts``); a lone client has a width of 1 and waits for nothing, and a width that shrinks
 costs one wait of at most ``gather_s``, after which the next call's width is measured again.

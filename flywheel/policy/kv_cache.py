@@ -82,7 +82,7 @@ class PreallocatedLayer(DynamicLayer):
         self._vbuf[:, :, self._len : end].copy_(value_states)
         self._len = end
         self._views()
-        return self.keys, self.values
+        return self._kbuf[:, :, :end], self._vbuf[:, :, :end]  # the views just set as keys / values
 
     def get_seq_length(self) -> int:
         return self._len
