@@ -9,13 +9,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-import torch
 from fixtures.http_json import send_json
 
 from flywheel.policy import openai_http
 from flywheel.policy.base import PolicyRequestError, Sample, SamplingParams
 from flywheel.policy.openai_http import OpenAIPolicy
-from flywheel.policy.testing import make_lora_adapter, session_tiny_home, tiny_policy
+from flywheel.policy.testing import make_lora_adapter, tiny_policy
 from flywheel.serve import AdapterLoading, ServeLimits, create_app, run_in_thread, static_provider
 
 CHAT = [{"role": "user", "content": "What's the weather in Paris?"}]
@@ -26,18 +25,7 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """See tests/unit/test_policy.py: one OpenMP thread is faster for the tiny model on a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_home(tmp_path_factory):
-    return session_tiny_home(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, with tiny_home
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ import torch
 
 from flywheel.policy.base import PromptTooLongError, Sample, SamplingParams
 from flywheel.policy.batching import BatchingPolicy
-from flywheel.policy.testing import make_lora_adapter, session_tiny_home, tiny_policy
+from flywheel.policy.testing import make_lora_adapter, tiny_policy
 from flywheel.serve import (
     AdapterLoading,
     ApiError,
@@ -55,18 +55,7 @@ CHAT = [{"role": "user", "content": "What's the weather in Paris?"}]
 JSON = {"content-type": "application/json"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """See tests/unit/test_policy.py: one OpenMP thread is faster for the tiny model on a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny_home(tmp_path_factory):
-    return session_tiny_home(tmp_path_factory)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py, with tiny_home
 
 
 @pytest.fixture(scope="module")
