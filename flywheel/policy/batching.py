@@ -14,7 +14,7 @@ prefill and attention are smaller: ``benchmarks/bench_serve_batching.py`` measur
 through the real server). So each merged call first waits, at most ``gather_s``, until as many
 prompts are pending as were in flight at once during the previous call (the traffic's current width,
 at most ``max_prompts``); a lone client has a width of 1 and waits for nothing, and a width that shrinks
-costs one wait of at most ``gather_s``, after which the next call's width is measured again.
+costs at most two waits of ``gather_s`` (the first narrow call still measures the wide traffic's tail).
 
 Guarantees
 - Only calls with identical sampling parameters are merged, and only when the result cannot depend
@@ -79,6 +79,7 @@ class BatchingPolicy:
         self._width = 0  # the width to gather before a call: the peak during the previous call (0: no call yet)
         self.calls = 0  # merged calls made to the wrapped policy (for tests and stats)
         self.batch_sizes: list[int] = []  # prompts per merged call, in order (for tests and stats)
+        self.gather_timeouts = 0  # merged calls that waited the whole gather_s for the width (stats, tests)
 
     @property
     def policy(self) -> Any:
@@ -134,6 +135,7 @@ class BatchingPolicy:
         while sum(len(p.prompts) for p in self._pending) < target:
             left = deadline - time.monotonic()
             if left <= 0:
+                self.gather_timeouts += 1
                 break
             self._cond.wait(left)
 

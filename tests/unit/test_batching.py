@@ -209,7 +209,8 @@ def test_clients_whose_replies_came_together_share_the_next_batch():
     back a few milliseconds late missed the next batch and ran as their own. Now each call first gathers
     as many prompts as were in flight during the previous one."""
     inner = Echo(delay=0.15)
-    b = BatchingPolicy(inner, max_prompts=8, window_s=0.05, gather_s=3.0)
+    # gather_s generous: the wait ends when the eighth caller arrives, however slow a busy machine is
+    b = BatchingPolicy(inner, max_prompts=8, window_s=0.05, gather_s=30.0)
     _clients(b, 8, 4, think_s=0.08)  # pauses up to 80 ms: four times the first batch's 20-50 ms window
     assert sum(b.batch_sizes) == 32
     assert len(b.batch_sizes) <= 5, b.batch_sizes  # 4 full batches; at most one split, healed at once
@@ -217,14 +218,15 @@ def test_clients_whose_replies_came_together_share_the_next_batch():
     assert inner.batches == b.batch_sizes
 
 
-def test_a_lone_client_waits_for_nobody_and_a_shrinking_width_costs_one_wait():
+def test_a_lone_client_waits_for_nobody_and_a_shrinking_width_costs_at_most_two_waits():
     inner = Echo(delay=0.02)
-    b = BatchingPolicy(inner, max_prompts=8, window_s=0.05, gather_s=1.0)
-    t0 = time.monotonic()
+    b = BatchingPolicy(inner, max_prompts=8, window_s=0.05, gather_s=0.2)
     _clients(b, 1, 5, think_s=0.0)
-    assert time.monotonic() - t0 < 1.0  # a single gather wait alone would take 1 s
-    _clients(b, 4, 2, think_s=0.0)  # four clients at once: the width grows to 4
+    assert b.gather_timeouts == 0 and b.batch_sizes == [1] * 5  # a width of 1 is always already there
+    _clients(b, 4, 2, think_s=0.0)  # four clients at once: the width grows
     assert max(b.batch_sizes) >= 2
-    t0 = time.monotonic()
-    _clients(b, 1, 3, think_s=0.0)  # back to one client: one wait (at most 1 s) until the width is measured again
-    assert time.monotonic() - t0 < 2.5, b.batch_sizes  # a wait before each of the 3 calls would take 3 s
+    before = b.gather_timeouts
+    # back to one client: the width is measured over the previous call, which began while the wide traffic
+    # was still in flight, so the first two calls may wait; the third knows the width is 1
+    _clients(b, 1, 3, think_s=0.0)
+    assert b.gather_timeouts - before <= 2, b.batch_sizes
