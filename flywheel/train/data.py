@@ -25,6 +25,15 @@ Guarantees
   weights for backward. Measured with ``benchmarks/bench_vs_trl.py --quick --prompt-style tools``
   (SmolLM2-135M, CPU, 4 x 386-token micro-batches): train peak RSS 5.25 -> 5.09 GB, step-1 gradient
   norm unchanged; a test compares against per-sequence forwards.
+- Shared prefixes (``share_prefix=True``, ``train.share_prompt_prefix``): the tokens every sequence of a
+  padded micro-batch starts with (an agent's system prompt and tool list, a chat template, a GRPO
+  group's prompt, a preference pair's prompt) become the micro-batch's ``trunk_ids``, encoded once; the
+  rows hold only what follows it, with positions continuing from the trunk, and attend to the trunk
+  through its keys and values (:func:`flywheel.train.trainer.sequence_logprobs`). Under causal attention
+  the trunk's hidden states are the same in every sequence, so the log-probs equal the per-sequence
+  forward's and the gradient is the sum of the per-sequence gradients (to float rounding; a test checks
+  both). The trunk stops before every sequence's last prompt token, so each completion token is
+  predicted from a row position. The budget counts the trunk once and each row's remainder.
 
 Not covered: truncating samples that exceed ``max_seq_len`` (they are refused with the row named).
 """
@@ -184,6 +193,13 @@ class MicroBatch:
     old_logp: torch.Tensor | None  # [S, C] float32
     samples: list[TrainSample] = field(default_factory=list)
     n_real: int = 0  # tokens of the samples (prompt + completion), padding excluded
+    trunk_ids: torch.Tensor | None = None  # [1, L] int64: the prefix every row continues (encoded once), or None
+
+    @property
+    def n_encoded(self) -> int:
+        """Token positions the model runs over, padding included (the trunk once)."""
+        trunk = 0 if self.trunk_ids is None else int(self.trunk_ids.shape[1])
+        return trunk + int(self.input_ids.numel())
 
     @property
     def n_tokens(self) -> int:
@@ -196,7 +212,7 @@ class MicroBatch:
         return MicroBatch(
             mv(self.input_ids), mv(self.attention_mask), mv(self.position_ids), mv(self.flat_pos),
             mv(self.targets), mv(self.seq_row), mv(self.seq_col), mv(self.mask), mv(self.advantages),
-            mv(self.sampler_logp), mv(self.old_logp), self.samples, self.n_real,
+            mv(self.sampler_logp), mv(self.old_logp), self.samples, self.n_real, mv(self.trunk_ids),
         )
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
@@ -205,8 +221,27 @@ class MicroBatch:
         return out.index_put((self.seq_row, self.seq_col), flat)
 
 
-def _group(samples: Sequence[TrainSample], budget: int, packing: bool) -> list[list[TrainSample]]:
+def common_prefix_len(samples: Sequence[TrainSample]) -> int:
+    """Tokens every sample starts with, stopping before the shortest prompt's last token (the trunk of
+    :func:`make_micro_batches` with ``share_prefix``: every completion token stays predicted from a row)."""
+    if not samples:
+        return 0
+    first = samples[0].prompt_ids + samples[0].completion_ids
+    n = min(len(s.prompt_ids) for s in samples) - 1
+    for s in samples[1:]:
+        toks = s.prompt_ids
+        k = 0
+        while k < n and toks[k] == first[k]:
+            k += 1
+        n = k
+        if n == 0:
+            break
+    return max(n, 0)
+
+
+def _group(samples: Sequence[TrainSample], budget: int, packing: bool, shared: int = 0) -> list[list[TrainSample]]:
     # Longest first: padded rows of similar length waste the least budget (first-fit decreasing).
+    # `shared` tokens of every sample are the trunk, counted once per micro-batch (share_prefix).
     order = sorted(samples, key=len, reverse=True)
     groups: list[list[TrainSample]] = []
     if packing:
@@ -224,8 +259,8 @@ def _group(samples: Sequence[TrainSample], budget: int, packing: bool) -> list[l
     cur: list[TrainSample] = []
     for s in order:
         # Sorted by decreasing length, so the first sample of `cur` sets the padded width.
-        width = len(cur[0]) if cur else len(s)
-        if cur and (len(cur) + 1) * width > budget:
+        width = (len(cur[0]) if cur else len(s)) - shared
+        if cur and shared + (len(cur) + 1) * width > budget:
             groups.append(cur)
             cur = []
         cur.append(s)
@@ -241,8 +276,13 @@ def make_micro_batches(
     packing: bool = False,
     pad_id: int = 0,
     max_seq_len: int | None = None,
+    share_prefix: bool = False,
+    min_shared: int = 8,
 ) -> list[MicroBatch]:
-    """Split ``samples`` into micro-batches of at most ``token_budget`` tokens (padded or packed)."""
+    """Split ``samples`` into micro-batches of at most ``token_budget`` tokens (padded or packed).
+
+    ``share_prefix`` (padded micro-batches only): the tokens a micro-batch's sequences all start with,
+    when at least ``min_shared``, are its ``trunk_ids``, encoded once (module docstring)."""
     for i, s in enumerate(samples):
         if not s.completion_ids:
             raise TrainDataError(f"sample {i} (group {s.group_id!r}) has an empty completion")
@@ -251,14 +291,22 @@ def make_micro_batches(
                                  "its first completion token")
         if max_seq_len is not None and len(s) > max_seq_len:
             raise TrainDataError(f"sample {i} (group {s.group_id!r}) has {len(s)} tokens > max_seq_len {max_seq_len}")
-    return [_collate(g, packing=packing, pad_id=pad_id) for g in _group(samples, token_budget, packing)]
+    share = share_prefix and not packing
+    shared = common_prefix_len(samples) if share else 0
+    groups = _group(samples, token_budget, packing, shared if shared >= min_shared else 0)
+    out = []
+    for g in groups:
+        trunk = common_prefix_len(g) if share else 0
+        out.append(_collate(g, packing=packing, pad_id=pad_id, trunk=trunk if trunk >= min_shared else 0))
+    return out
 
 
-def _collate(group: list[TrainSample], *, packing: bool, pad_id: int) -> MicroBatch:
+def _collate(group: list[TrainSample], *, packing: bool, pad_id: int, trunk: int = 0) -> MicroBatch:
     S = len(group)
     C = max(len(s.completion_ids) for s in group)
     rows = [[s] for s in group] if not packing else [group]
-    T = max(sum(len(s) for s in row) for row in rows)
+    L = trunk  # tokens every row's sequence starts with, encoded once in trunk_ids (padded rows only)
+    T = max(sum(len(s) for s in row) for row in rows) - L
     R = len(rows)
     ids = torch.full((R, T), pad_id, dtype=torch.int64)
     # Padded rows: positions run on through the padding (one causal sequence per row, see the module
@@ -271,15 +319,18 @@ def _collate(group: list[TrainSample], *, packing: bool, pad_id: int) -> MicroBa
     have_sampler = all(s.sampler_logprobs is not None for s in group)
     have_old = all(s.old_logprobs is not None for s in group)
     k = 0
+    if L:
+        pos += L
     for r, row in enumerate(rows):
         off = 0
         for s in row:
-            toks = s.prompt_ids + s.completion_ids
-            n, p = len(toks), len(s.prompt_ids)
+            toks = (s.prompt_ids + s.completion_ids)[L:]
+            n, p = len(toks), len(s.prompt_ids) - L
             ids[r, off : off + n] = torch.tensor(toks)
-            pos[r, off : off + n] = torch.arange(n)
+            pos[r, off : off + n] = torch.arange(L, L + n)
             c = len(s.completion_ids)
-            # Hidden state at position p-1+j predicts completion token j.
+            # Hidden state at (row) position p-1+j predicts completion token j (p >= 1: the trunk stops
+            # before every prompt's last token).
             flat_pos.extend(range(r * T + off + p - 1, r * T + off + p - 1 + c))
             targets.extend(s.completion_ids)
             seq_row.extend([k] * c)
@@ -305,6 +356,7 @@ def _collate(group: list[TrainSample], *, packing: bool, pad_id: int) -> MicroBa
         old_logp=old if have_old else None,
         samples=list(group),
         n_real=sum(len(s) for s in group),
+        trunk_ids=torch.tensor([group[0].prompt_ids[:L]], dtype=torch.int64) if L else None,
     )
 
 

@@ -54,6 +54,7 @@ from flywheel.config import LossName, TrainConfig
 from flywheel.kernels import fused_logprob
 from flywheel.kernels.fused_layers import patch_for_training
 from flywheel.kernels.fused_lora import patch_lora_for_training
+from flywheel.policy.kv_cache import supports_preallocated
 from flywheel.train.data import MicroBatch, TrainSample, make_micro_batches
 from flywheel.train.losses import LossInputs, PreferenceInputs, compute_loss, rpo_loss, sft_loss
 from flywheel.train.threads import TrainThreads
@@ -145,11 +146,21 @@ def sequence_logprobs(
 
     Runs the backbone once, keeps the hidden states that predict completion tokens, and calls the
     (fused) log-prob function with the lm_head weight. Differentiable when grad is enabled.
+
+    A micro-batch with ``trunk_ids`` (``train.share_prompt_prefix``) runs the shared prefix once into a KV
+    cache, repeats its keys and values for every row, and runs the rows on top of it: the same values as
+    one forward per sequence, and backward sums each row's gradient through the trunk's keys and values
+    into the one trunk pass (flywheel.train.data, "Shared prefixes").
     """
     backbone, head = backbone_and_head(model)
-    out = backbone(
-        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
-    )
+    if mb.trunk_ids is not None:
+        cache = backbone(input_ids=mb.trunk_ids, use_cache=True).cache
+        cache.batch_repeat_interleave(int(mb.input_ids.shape[0]))  # autograd sums the copies' gradients
+        out = backbone(input_ids=mb.input_ids, position_ids=mb.position_ids, cache=cache, use_cache=True)
+    else:
+        out = backbone(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
+        )
     hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.flat_pos)
     fn = _logprob_fn(impl)
@@ -195,10 +206,10 @@ def answer_only_logprobs(
         if len(p) > 1:
             with torch.no_grad():
                 out = backbone(input_ids=torch.tensor([p[:-1]], device=dev), use_cache=True)
-            cache = out.past_key_values
+            cache = out.cache
         inp = torch.tensor([[p[-1], *c[:-1]]], device=dev)
         pos = torch.arange(len(p) - 1, len(p) - 1 + len(c), device=dev).unsqueeze(0)
-        out = backbone(input_ids=inp, position_ids=pos, past_key_values=cache, use_cache=cache is not None)
+        out = backbone(input_ids=inp, position_ids=pos, cache=cache, use_cache=cache is not None)
         h = out[0] if isinstance(out, tuple) else out.last_hidden_state
         hidden.append(h[0])
     h = torch.cat(hidden)  # [N, H], completion tokens in micro-batch order (as mb.targets)
@@ -494,6 +505,7 @@ class Trainer:
         if options.objective != "sft" and t.objective.beta > 0 and not self.is_lora:
             self.ref_model = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
         self.lean_layers: dict[str, int] = {}
+        self._plain_cache = supports_preallocated(backbone_and_head(model)[0])
         self.compiled_layers = False
         if t.lean_layers:
             self.compiled_layers = compile_lean_layers(t.compile_lean_layers, unwrap(model), self.device)
@@ -597,8 +609,12 @@ class Trainer:
                 return self._logprobs(self.policy, mb, False)[0]
 
     def micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
+        # The trunk's KV cache is refused under gradient checkpointing (as answer_only's is), and a
+        # sliding-window or linear-attention layer's cache is not the plain keys and values the rows need.
+        share = self.train.share_prompt_prefix and not self.train.gradient_checkpointing and self._plain_cache
         return make_micro_batches(
-            samples, token_budget=self.train.micro_batch_tokens, packing=self.train.packing, pad_id=self.opt.pad_id
+            samples, token_budget=self.train.micro_batch_tokens, packing=self.train.packing, pad_id=self.opt.pad_id,
+            share_prefix=share,
         )
 
     @torch.no_grad()
