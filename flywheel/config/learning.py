@@ -305,12 +305,14 @@ class TrainConfig(_Section):
         False, description="Pack a micro-batch's sequences into one row (no padding; attention stays within each "
         "sequence) instead of one padded row per sequence."
     )
-    share_prompt_prefix: bool = Field(
-        True, description="Encode the tokens a micro-batch's sequences all start with (an agent's system prompt and "
+    share_prompt_prefix: Literal["auto"] | bool = Field(
+        "auto", description="Encode the tokens a micro-batch's sequences all start with (an agent's system prompt and "
         "tool list, the chat template, a GRPO group's or a preference pair's prompt) once per micro-batch instead of "
         "once per sequence; the rows attend to its keys and values. The same log-probs and gradients to float "
-        "rounding (flywheel.train.data, \"Shared prefixes\"; benchmarks/bench_shared_prefix.py). Padded micro-batches "
-        "only (not with packing), and not with gradient checkpointing.",
+        "rounding (flywheel.train.data, \"Shared prefixes\"; benchmarks/bench_shared_prefix.py). auto: on for CPU "
+        "training, where it is measured; off on CUDA, where the rows' masked attention leaves the flash kernel and is "
+        "not measured yet. Padded micro-batches only (not with packing); never with activation checkpointing, "
+        "DeepSpeed, or a sliding-window, linear-attention or dynamic/longrope-RoPE model.",
     )
     batch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
     prompt_grad: Literal["full", "answer_only"] = Field(

@@ -33,7 +33,9 @@ Guarantees
   the trunk's hidden states are the same in every sequence, so the log-probs equal the per-sequence
   forward's and the gradient is the sum of the per-sequence gradients (to float rounding; a test checks
   both). The trunk stops before every sequence's last prompt token, so each completion token is
-  predicted from a row position. The budget counts the trunk once and each row's remainder.
+  predicted from a row position. The budget counts the trunk once and each row's remainder; the
+  positions the rows attend over (the trunk once per row, plus the row) stay within
+  ``SHARED_KV_FACTOR`` x the budget.
 
 Not covered: truncating samples that exceed ``max_seq_len`` (they are refused with the row named).
 """
@@ -202,6 +204,12 @@ class MicroBatch:
         return trunk + int(self.input_ids.numel())
 
     @property
+    def n_computed(self) -> int:
+        """The samples' tokens the model runs over, padding excluded: a shared trunk counts once."""
+        trunk = 0 if self.trunk_ids is None else int(self.trunk_ids.shape[1])
+        return self.n_real - trunk * (len(self.samples) - 1) if trunk else self.n_real
+
+    @property
     def n_tokens(self) -> int:
         return self.n_real
 
@@ -219,6 +227,12 @@ class MicroBatch:
         """``[N]`` per-completion-token values -> ``[S, C]`` (zeros elsewhere), differentiably."""
         out = flat.new_zeros(self.mask.shape)
         return out.index_put((self.seq_row, self.seq_col), flat)
+
+
+#: With a shared trunk, a micro-batch's rows may attend over at most this many times ``token_budget``
+#: key/value positions in all (each row's trunk copy plus its own tokens): the activations stay within the
+#: budget, the repeated keys and values (and the attention over them) within a small multiple of it.
+SHARED_KV_FACTOR = 4
 
 
 def common_prefix_len(samples: Sequence[TrainSample]) -> int:
@@ -260,7 +274,11 @@ def _group(samples: Sequence[TrainSample], budget: int, packing: bool, shared: i
     for s in order:
         # Sorted by decreasing length, so the first sample of `cur` sets the padded width.
         width = (len(cur[0]) if cur else len(s)) - shared
-        if cur and shared + (len(cur) + 1) * width > budget:
+        n = len(cur) + 1
+        # With a trunk, every row still attends over the trunk's keys and values, repeated per row: bound
+        # those positions too (SHARED_KV_FACTOR x the budget), or a long shared system prompt with short
+        # answers would pack rows until the repeated keys and values dwarf the budget.
+        if cur and (shared + n * width > budget or (shared and n * (shared + width) > SHARED_KV_FACTOR * budget)):
             groups.append(cur)
             cur = []
         cur.append(s)

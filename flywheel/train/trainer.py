@@ -154,9 +154,16 @@ def sequence_logprobs(
     """
     backbone, head = backbone_and_head(model)
     if mb.trunk_ids is not None:
+        trunk = int(mb.trunk_ids.shape[1])
         cache = backbone(input_ids=mb.trunk_ids, use_cache=True).cache
-        cache.batch_repeat_interleave(int(mb.input_ids.shape[0]))  # autograd sums the copies' gradients
-        out = backbone(input_ids=mb.input_ids, position_ids=mb.position_ids, cache=cache, use_cache=True)
+        if cache is not None:
+            cache.batch_repeat_interleave(int(mb.input_ids.shape[0]))  # autograd sums the copies' gradients
+            out = backbone(input_ids=mb.input_ids, position_ids=mb.position_ids, cache=cache, use_cache=True)
+        if cache is None or cache.get_seq_length() != trunk + int(mb.input_ids.shape[1]):
+            # e.g. activation checkpointing switched on behind the trainer's back: transformers then drops
+            # the cache with a warning, and the rows would have run without the trunk
+            raise RuntimeError("shared-prefix micro-batch: the rows did not run on the trunk's keys and values "
+                               "(a model that drops its KV cache in training?); set train.share_prompt_prefix = false")
     else:
         out = backbone(
             input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, use_cache=False
@@ -220,6 +227,18 @@ def answer_only_logprobs(
             compute_entropy=compute_entropy,
         )
     return mb.scatter(logp), (mb.scatter(ent) if ent is not None else None)
+
+
+def _shares_prefix_exactly(backbone: Any) -> bool:
+    """Whether a trunk run once and rows run on its cache equal one forward per sequence for this model: a
+    plain full-attention cache (no sliding window, no linear attention) and a RoPE whose frequencies do not
+    depend on the longest position in the call (``dynamic`` and ``longrope`` pick theirs per call, so the
+    trunk's keys and the rows' could be rotated with different ones)."""
+    if not supports_preallocated(backbone):
+        return False
+    config = getattr(backbone, "config", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return not (isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"))
 
 
 def _transformer_blocks(model: Any) -> tuple[str, torch.nn.ModuleList]:
@@ -505,7 +524,7 @@ class Trainer:
         if options.objective != "sft" and t.objective.beta > 0 and not self.is_lora:
             self.ref_model = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
         self.lean_layers: dict[str, int] = {}
-        self._plain_cache = supports_preallocated(backbone_and_head(model)[0])
+        self._plain_cache = _shares_prefix_exactly(backbone_and_head(model)[0])
         self.compiled_layers = False
         if t.lean_layers:
             self.compiled_layers = compile_lean_layers(t.compile_lean_layers, unwrap(model), self.device)
@@ -609,13 +628,22 @@ class Trainer:
                 return self._logprobs(self.policy, mb, False)[0]
 
     def micro_batches(self, samples: Sequence[TrainSample]) -> list[MicroBatch]:
-        # The trunk's KV cache is refused under gradient checkpointing (as answer_only's is), and a
-        # sliding-window or linear-attention layer's cache is not the plain keys and values the rows need.
-        share = self.train.share_prompt_prefix and not self.train.gradient_checkpointing and self._plain_cache
         return make_micro_batches(
             samples, token_budget=self.train.micro_batch_tokens, packing=self.train.packing, pad_id=self.opt.pad_id,
-            share_prefix=share,
+            share_prefix=self.shares_prefix,
         )
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether micro-batches encode their shared prompt prefix once (``train.share_prompt_prefix``)."""
+        setting = self.train.share_prompt_prefix
+        if setting is False or (setting == "auto" and self.use_cuda):
+            return False  # auto: CPU training (measured there); CUDA's masked attention is not measured yet
+        # The trunk's KV cache is refused under activation checkpointing (as answer_only's is), DeepSpeed's
+        # engine is not tested with two backbone calls per micro-batch, and a sliding-window, linear-attention
+        # or dynamic-RoPE model's cache is not the plain keys and values the rows need.
+        return (not self.train.gradient_checkpointing and self.engine is None and self._plain_cache
+                and not getattr(unwrap(self.model), "is_activation_checkpointing", False))
 
     @torch.no_grad()
     def compute_old_logprobs(self, samples: Sequence[TrainSample]) -> None:
@@ -655,10 +683,11 @@ class Trainer:
         total_loss = 0.0
         agg: dict[str, float] = {}
         agg_w = 0.0
-        tokens = 0
+        tokens = computed = 0
         for i, mb in enumerate(mbs):
             mb = mb.to(self.device)
             tokens += mb.n_tokens
+            computed += mb.n_computed
             if self.engine is not None:
                 self.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
             ref = self._ref_logprobs(mb)
@@ -710,7 +739,8 @@ class Trainer:
             name = torch.cuda.get_device_name(self.device)
             peak = next((v for k, v in _PEAK_BF16.items() if k in name), None)
             if peak:
-                stats["mfu"] = 6.0 * self.n_params * tokens / dt / peak
+                # the tokens the model ran over (a shared trunk once)
+                stats["mfu"] = 6.0 * self.n_params * computed / dt / peak
         return StepMetrics(
             step=self.step_count, loss=total_loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
             loss_tokens=int(sum(s.n_loss_tokens for s in samples)), seconds=dt, tokens_per_s=tokens / dt,

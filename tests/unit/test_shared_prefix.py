@@ -51,6 +51,7 @@ def test_shared_prefix_logprobs_equal_each_sequences_own_forward(impl):
         assert mb.input_ids.shape[1] == max(len(s) for s in samples) - 12
         assert mb.n_encoded == 12 + 4 * mb.input_ids.shape[1] < sum(len(s) for s in samples)
         assert mb.n_tokens == sum(len(s) for s in samples)  # the data trained on, as without sharing
+        assert mb.n_computed == mb.n_tokens - 3 * 12  # the trunk counted once, padding excluded
         logp, _ = sequence_logprobs(model, mb, impl=impl)
         for k, s in enumerate(mb.samples):
             torch.testing.assert_close(logp[k, : len(s.completion_ids)], reference_logprobs(model, s),
@@ -74,6 +75,28 @@ def test_budget_counts_the_trunk_once():
     assert len(shared) < len(plain)
     for mb in shared:
         assert mb.n_encoded <= 120
+
+
+def test_rows_attending_over_repeated_trunks_stay_within_a_multiple_of_the_budget():
+    """A long shared prompt with short answers: the budget alone (trunk once + rows) would take every row,
+    but each row attends over its own copy of the trunk's keys and values; SHARED_KV_FACTOR bounds those."""
+    from flywheel.train.data import SHARED_KV_FACTOR
+
+    g = torch.Generator().manual_seed(11)
+    head = torch.randint(1, V, (40,), generator=g).tolist()
+    samples = [TrainSample(prompt_ids=head + [1 + i % (V - 1), 2], completion_ids=[3, 4], loss_mask=[1, 1])
+               for i in range(40)]
+    for budget in (200, 400):
+        mbs = make_micro_batches(samples, token_budget=budget, share_prefix=True)
+        assert all(mb.trunk_ids is not None for mb in mbs)
+        for mb in mbs:
+            L = int(mb.trunk_ids.shape[1])
+            assert mb.n_encoded <= budget
+            assert len(mb.samples) * (L + mb.input_ids.shape[1]) <= SHARED_KV_FACTOR * budget
+        assert sum(len(mb.samples) for mb in mbs) == 40
+    # 40 rows of 3 after a 41-token trunk: 161 positions fit a budget of 200, but 40 x 44 = 1,760 key/value
+    # positions exceed 4 x 200, so the rows are split
+    assert len(make_micro_batches(samples, token_budget=200, share_prefix=True)) > 1
 
 
 def _lora(seed: int):
@@ -114,11 +137,15 @@ def test_trainer_steps_are_the_same_with_and_without_sharing(objective):
                                                      max_completion_len=16, train=tc))
         out = []
         for k in range(3):
+            shared_trunks[str(share)] += sum(mb.trunk_ids is not None for mb in tr.micro_batches(shared_batch(seed=10 + k)))
             m = tr.step(shared_batch(seed=10 + k))
             out.append((m.loss, m.grad_norm))
         return out
 
+    shared_trunks = {"False": 0, "True": 0}
+
     plain, shared = run(False), run(True)
+    assert shared_trunks["False"] == 0 and shared_trunks["True"] > 0  # the shared arm really shared
     for (la, ga), (lb, gb) in zip(plain, shared, strict=True):
         assert lb == pytest.approx(la, rel=1e-4, abs=1e-6)
         assert gb == pytest.approx(ga, rel=1e-3, abs=1e-6)
@@ -145,6 +172,27 @@ def test_preference_pairs_share_their_prompt():
     assert logps(True) == pytest.approx(logps(False), rel=1e-5, abs=1e-5)
 
 
+def test_models_whose_cache_or_rope_differs_across_calls_do_not_share():
+    """Dynamic RoPE picks its frequencies from the longest position in each call, so the trunk's keys and the
+    rows' would be rotated differently; activation checkpointing drops the KV cache in training."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64,
+                      rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    torch.manual_seed(0)
+    tc = TrainConfig(lora_r=4, lora_alpha=8, lean_layers=False)
+    opts = TrainerOptions(objective="sft", lr=1e-3, total_steps=1, temperature=1.0, max_completion_len=16, train=tc)
+    assert not Trainer(LlamaForCausalLM(cfg), opts).shares_prefix
+    checkpointed = tiny_lm(seed=0)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert not Trainer(checkpointed, opts).shares_prefix
+    assert Trainer(tiny_lm(seed=0), opts).shares_prefix  # "auto" on CPU
+    assert not Trainer(tiny_lm(seed=0), TrainerOptions(
+        objective="sft", lr=1e-3, total_steps=1, temperature=1.0, max_completion_len=16,
+        train=TrainConfig(lora_r=4, lora_alpha=8, lean_layers=False, share_prompt_prefix=False))).shares_prefix
+
+
 def test_sliding_window_models_do_not_share():
     """A sliding-window layer's cache keeps only the window: the trainer keeps one forward per sequence."""
     from transformers import MistralConfig, MistralForCausalLM
@@ -160,3 +208,14 @@ def test_sliding_window_models_do_not_share():
     tr = Trainer(tiny_lm(seed=0), TrainerOptions(objective="sft", lr=1e-3, total_steps=1, temperature=1.0,
                                                  max_completion_len=16, train=tc))
     assert all(mb.trunk_ids is not None for mb in tr.micro_batches(shared_batch()))
+
+
+def test_rows_that_did_not_run_on_the_trunk_raise():
+    """Activation checkpointing in training makes transformers drop the KV cache (with a warning only): the
+    rows would run without the trunk. sequence_logprobs checks the cache grew by the rows and refuses."""
+    model = tiny_lm(seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    (mb,) = make_micro_batches(shared_batch(), token_budget=1000, share_prefix=True)
+    with pytest.raises(RuntimeError, match="did not run on the trunk"):
+        sequence_logprobs(model, mb)
