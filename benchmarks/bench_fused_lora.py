@@ -39,19 +39,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_lora_layers import demo_batches, time_rounds  # noqa: E402  (the same batches, the same timing)
+from bench_lora_layers import demo_batches, start_log, step_bench_args, time_rounds  # noqa: E402  (the same batches, the same timing)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 timed step per arm instead of 3")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per arm (after one warm-up step)")
-    ap.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    ap.add_argument("--home", default=os.environ.get("FLYWHEEL_HOME", ".flywheel"),
-                    help="a flywheel home holding the converted SmolLM2-135M (after `make demo`'s first stage)")
-    a = ap.parse_args()
-    if a.quick:
-        a.steps = 1
+    a = step_bench_args(ap, home_help="a flywheel home holding the converted SmolLM2-135M (after `make demo`'s "
+                        "first stage)")
 
     import torch
 
@@ -59,10 +53,7 @@ def main() -> None:
     from flywheel.policy.models import load_model
     from flywheel.train.trainer import Trainer, TrainerOptions
 
-    log = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))
-    load0 = os.getloadavg()
-    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {load0[0]:.2f} {load0[1]:.2f} "
-        f"{load0[2]:.2f}")
+    log, load0 = start_log(a.json)
     _, tok = load_model("smollm2-135m", home=Path(a.home), device="cpu", dtype="float32")
     batches = demo_batches(tok, a.steps + 1)
     arms = {"peft": False, "fused": True}

@@ -62,6 +62,31 @@ def demo_batches(tok, n: int) -> list:
     return out
 
 
+def step_bench_args(ap, *, home_help: str, steps_help: str = "timed steps per arm (after one warm-up step)"):
+    """The arguments every SFT-step benchmark takes (--quick, --steps, --json, --home), parsed; --quick
+    means one timed step per arm."""
+    ap.add_argument("--quick", action="store_true", help="1 timed step per arm instead of 3")
+    ap.add_argument("--steps", type=int, default=3, help=steps_help)
+    ap.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    ap.add_argument("--home", default=os.environ.get("FLYWHEEL_HOME", ".flywheel"), help=home_help)
+    a = ap.parse_args()
+    if a.quick:
+        a.steps = 1
+    return a
+
+
+def start_log(as_json: bool):
+    """``(log, load average at start)``: log to stderr under ``--json`` (stdout carries the document), and
+    print torch's version, its thread count and the load average first."""
+    import torch
+
+    log = (lambda *x: print(*x, file=sys.stderr, flush=True)) if as_json else (lambda *x: print(*x, flush=True))
+    load0 = os.getloadavg()
+    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {load0[0]:.2f} {load0[1]:.2f} "
+        f"{load0[2]:.2f}")
+    return log, load0
+
+
 def time_rounds(trainers: dict, res: dict, batches: list, steps: int, log, *, peer: str) -> None:
     """The timed steps, arms alternating (the order rotates each round, every arm gets round k's batch), into
     ``res[arm]``'s ``wall_s`` / ``cpu_s`` / ``loss`` / ``tokens`` lists; then per-step means, cores busy and
@@ -108,10 +133,7 @@ def main() -> None:
     from flywheel.policy.models import load_model
     from flywheel.train.trainer import Trainer, TrainerOptions
 
-    log = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))
-    load0 = os.getloadavg()
-    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {load0[0]:.2f} {load0[1]:.2f} "
-        f"{load0[2]:.2f}")
+    log, load0 = start_log(a.json)
     _, tok = load_model("smollm2-135m", home=Path(a.home), device="cpu", dtype="float32")
     batches = demo_batches(tok, a.steps + 1)
     arms: dict[str, int | None] = {"all": None, **{f"top{n}": n for n in a.layers}}

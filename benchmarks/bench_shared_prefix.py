@@ -41,7 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_lora_layers import demo_batches, time_rounds  # noqa: E402  (the demo's batches, the same timing)
+from bench_lora_layers import demo_batches, start_log, step_bench_args, time_rounds  # noqa: E402  (the demo's batches, the same timing)
 
 
 def agent_batches(tok, n: int) -> list:
@@ -107,25 +107,16 @@ def run_workload(name: str, batches: list, a, tok, log) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="1 timed step per arm instead of 3")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per arm and workload (after one warm-up step)")
     ap.add_argument("--workloads", nargs="+", default=["bfcl", "agent"], choices=["bfcl", "agent"])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    ap.add_argument("--home", default=os.environ.get("FLYWHEEL_HOME", ".flywheel"),
-                    help="a flywheel home (the converted SmolLM2-135M is made there if missing)")
-    a = ap.parse_args()
-    if a.quick:
-        a.steps = 1
+    a = step_bench_args(ap, home_help="a flywheel home (the converted SmolLM2-135M is made there if missing)",
+                        steps_help="timed steps per arm and workload (after one warm-up step)")
 
     import torch
 
     from flywheel.policy.models import load_model
 
-    log = (lambda *x: print(*x, file=sys.stderr, flush=True)) if a.json else (lambda *x: print(*x, flush=True))
-    load0 = os.getloadavg()
-    log(f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {load0[0]:.2f} {load0[1]:.2f} "
-        f"{load0[2]:.2f}")
+    log, load0 = start_log(a.json)
     _, tok = load_model("smollm2-135m", home=Path(a.home), device="cpu", dtype=a.dtype)
     makers = {"bfcl": demo_batches, "agent": agent_batches}
     results = {w: run_workload(w, makers[w](tok, a.steps + 1), a, tok, log) for w in a.workloads}
