@@ -207,7 +207,7 @@ class MicroBatch:
     def n_computed(self) -> int:
         """The samples' tokens the model runs over, padding excluded: a shared trunk counts once."""
         trunk = 0 if self.trunk_ids is None else int(self.trunk_ids.shape[1])
-        return self.n_real - trunk * (len(self.samples) - 1) if trunk else self.n_real
+        return self.n_real - trunk * (len(self.samples) - 1)
 
     @property
     def n_tokens(self) -> int:
@@ -240,17 +240,14 @@ def common_prefix_len(samples: Sequence[TrainSample]) -> int:
     :func:`make_micro_batches` with ``share_prefix``: every completion token stays predicted from a row)."""
     if not samples:
         return 0
-    first = samples[0].prompt_ids + samples[0].completion_ids
-    n = min(len(s.prompt_ids) for s in samples) - 1
+    first = samples[0].prompt_ids
+    n = min(len(s.prompt_ids) for s in samples) - 1  # prompts are never empty (make_micro_batches refuses them)
     for s in samples[1:]:
-        toks = s.prompt_ids
         k = 0
-        while k < n and toks[k] == first[k]:
+        while k < n and s.prompt_ids[k] == first[k]:
             k += 1
         n = k
-        if n == 0:
-            break
-    return max(n, 0)
+    return n
 
 
 def _group(samples: Sequence[TrainSample], budget: int, packing: bool, shared: int = 0) -> list[list[TrainSample]]:
